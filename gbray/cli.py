@@ -1,0 +1,287 @@
+"""The `gbray` command: parses, resolves settings once, calls one function per verb."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from gbray.data.turns import DataError
+from gbray.settings import Recipe, RoundSettings, add_fields, from_args
+
+log = logging.getLogger("gbray")
+
+# A round the tiny student can show a gain in within a few minutes on two cores. The real
+# defaults (SPEC §5) are for a 0.5B student over a night.
+DEMO_RECIPE = Recipe(
+    hours=3.5 / 60,
+    epochs=3,
+    turns=2400,
+    lr=3e-3,
+    batch=8,
+    accum=1,
+    lora_r=32,
+    lora_alpha=64,
+    max_len=1024,
+    val_every_minutes=0.5,
+    val_turns=64,
+    exam_turns=120,
+    last_every_minutes=1.0,
+    progress_every_minutes=0.5,
+    gradient_checkpointing=False,
+)
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    for noisy in ("httpx", "urllib3", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def cmd_synth(args) -> int:
+    from gbray.data.synth import SynthSettings, write_corpus
+
+    counts = write_corpus(
+        SynthSettings(
+            out=args.out,
+            turns=args.turns,
+            eval_turns=args.eval_turns,
+            seed=args.seed,
+            prompt_tokens=args.prompt_tokens,
+            tools=args.tools,
+            wording=args.wording,
+        )
+    )
+    print(json.dumps({"out": str(args.out), **counts}))
+    return 0
+
+
+def cmd_student(args) -> int:
+    from gbray.student import StudentSettings, build_student
+
+    record = build_student(
+        StudentSettings(
+            data=args.data,
+            out=args.out,
+            size=args.size,
+            vocab=args.vocab,
+            pretrain_seconds=args.pretrain_seconds,
+            seed=args.seed,
+            threads=args.threads,
+        )
+    )
+    print(
+        json.dumps(
+            {
+                "out": str(args.out),
+                "size": record["size"],
+                "parameters": record["parameters"],
+                "pretraining": record.get("pretraining"),
+            }
+        )
+    )
+    return 0
+
+
+def cmd_round(args) -> int:
+    from gbray.round import run_round, summary_line
+
+    recipe = from_args(Recipe, args)
+    settings = from_args(RoundSettings, args, recipe=recipe)
+    record = run_round(settings)
+    print(json.dumps(summary_line(record, settings.out)))
+    return 0 if record["status"] == "ended" else 1
+
+
+def per_tool_table(baseline: dict | None, result: dict | None) -> str:
+    tools = list((result or baseline or {}).get("per_tool", {}))
+    lines = [f"{'tool':<16}{'before':>10}{'after':>10}  most often answered instead (after)"]
+    for tool in tools:
+
+        def cell(exam):
+            row = (exam or {}).get("per_tool", {}).get(tool)
+            return f"{row['right']}/{row['asked']}" if row else "-"
+
+        instead = ((result or {}).get("per_tool", {}).get(tool) or {}).get("instead", {})
+        top = ", ".join(f"{k} {v}" for k, v in list(instead.items())[:2])
+        lines.append(f"{tool:<16}{cell(baseline):>10}{cell(result):>10}  {top}")
+    return "\n".join(lines)
+
+
+def cmd_demo(args) -> int:
+    from gbray.data.synth import SynthSettings, write_corpus
+    from gbray.round import run_round, summary_line
+    from gbray.student import StudentSettings, build_student
+
+    began = time.time()
+    out = args.out or Path(tempfile.mkdtemp(prefix="gbray-demo-"))
+    data, student, round_out = out / "data", out / "student", out / "round"
+    print(f"gbray demo: writing everything under {out}", flush=True)
+    counts = write_corpus(
+        SynthSettings(out=data, turns=4000, eval_turns=400, seed=args.seed, prompt_tokens=300)
+    )
+    print(
+        f"1/3 synthetic corpus: {counts['train']} train and {counts['eval']} eval turns, {counts['tools']} tools"
+        f" -> {data}",
+        flush=True,
+    )
+    built = build_student(
+        StudentSettings(
+            data=data,
+            out=student,
+            size="tiny",
+            pretrain_seconds=args.pretrain_seconds,
+            seed=args.seed,
+        )
+    )
+    print(
+        f"2/3 tiny student: {built['parameters']:,} parameters, pre-trained "
+        f"{built['pretraining']['seconds']:.0f} s -> {student}",
+        flush=True,
+    )
+    recipe = dataclasses.replace(DEMO_RECIPE, hours=args.minutes / 60, seed=args.seed)
+    print(
+        f"3/3 a round of {args.minutes:g} min on local Ray (baseline exam, training, result exam)",
+        flush=True,
+    )
+    record = run_round(RoundSettings(data=data, model=str(student), out=round_out, recipe=recipe))
+    baseline, result = record.get("baseline"), record.get("result")
+    print()
+    print(per_tool_table(baseline, result))
+    print()
+    fmt = lambda e: f"{e['agreement']:.1f}% ({e['right']}/{e['turns']})" if e else "n/a"  # noqa: E731
+    print(
+        f"agreement on paper {record['paper']['id']} ({record['paper']['turns']} turns): "
+        f"before {fmt(baseline)}, after {fmt(result)}; beat the baseline: {record['beat']}"
+    )
+    print(
+        f"training: {record.get('steps')} steps, {record.get('turns_trained')} turns, "
+        f"stopped by {record.get('why')}, best validation loss {record.get('best_val_loss')}"
+    )
+    print(
+        f"round.json: {round_out / 'round.json'}\nadapter:    {record.get('adapter')}\n"
+        f"progress:   {record['progress_log']}\ntook {(time.time() - began) / 60:.1f} min"
+    )
+    print(json.dumps(summary_line(record, round_out)))
+    return 0 if record["status"] == "ended" else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gbray",
+        description="Teach a small chat model a browser agent's next "
+        "tool call, one budgeted LoRA round at a time, on Ray.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    p = verbs.add_parser(
+        "demo",
+        help="synthetic corpus, tiny student, one round on local Ray: before and after",
+        description="Runs the whole job end to end on embedded defaults, in minutes, offline.",
+    )
+    p.add_argument("--out", type=Path, help="where to write (default: a new temporary folder)")
+    p.add_argument(
+        "--minutes",
+        type=float,
+        default=DEMO_RECIPE.hours * 60,
+        help="training budget (default %(default)s)",
+    )
+    p.add_argument(
+        "--pretrain-seconds",
+        type=float,
+        default=75.0,
+        help="tiny student pre-training (default %(default)s)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="corpus, student and draw seed (default %(default)s)"
+    )
+    p.set_defaults(func=cmd_demo)
+
+    p = verbs.add_parser(
+        "synth", help="write a synthetic corpus (train.jsonl, eval.jsonl, cut by job)"
+    )
+    p.add_argument("--out", type=Path, required=True, help="output folder")
+    p.add_argument("--turns", type=int, default=3000, help="training turns (default %(default)s)")
+    p.add_argument(
+        "--eval-turns", type=int, default=300, help="eval turns, other jobs (default %(default)s)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="(default %(default)s)")
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=300,
+        help="about how long a prompt is; ~2700 matches real sighted turns (default %(default)s)",
+    )
+    p.add_argument(
+        "--tools", type=int, default=40, help="how many tools (2-40, default %(default)s)"
+    )
+    p.add_argument(
+        "--wording",
+        default="default",
+        choices=("default", "alt"),
+        help="alt: invented tool names and other phrasing, a corpus the defaults never saw",
+    )
+    p.set_defaults(func=cmd_synth)
+
+    p = verbs.add_parser("student", help="build a student model folder from a corpus")
+    p.add_argument("--data", type=Path, required=True, help="data folder (train.jsonl, eval.jsonl)")
+    p.add_argument("--out", type=Path, required=True, help="model folder to write")
+    p.add_argument(
+        "--size",
+        default="tiny",
+        choices=("tiny", "qwen2.5-0.5b-shape"),
+        help="tiny: ~1M parameters, pre-trained briefly; qwen2.5-0.5b-shape: real dimensions, random weights",
+    )
+    p.add_argument(
+        "--vocab", type=int, default=1536, help="BPE vocabulary size (default %(default)s)"
+    )
+    p.add_argument(
+        "--pretrain-seconds",
+        type=float,
+        default=90.0,
+        help="tiny pre-training time (default %(default)s)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="(default %(default)s)")
+    p.add_argument(
+        "--threads", type=int, default=0, help="torch threads; 0: all CPUs (default %(default)s)"
+    )
+    p.set_defaults(func=cmd_student)
+
+    p = verbs.add_parser(
+        "round",
+        help="one round: baseline exam, training within the hours, result exam",
+        description="One round on Ray: a trainer actor and a fresh examiner actor per exam. "
+        "Ends with one line of JSON on stdout.",
+    )
+    add_fields(p, RoundSettings, "round")
+    add_fields(p, Recipe, "recipe")
+    p.set_defaults(func=cmd_round)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        return args.func(args)
+    except (DataError, ValueError, FileNotFoundError) as e:
+        print(f"gbray: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("gbray: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

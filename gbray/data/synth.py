@@ -1,0 +1,506 @@
+"""The synthetic corpus: turns in the format of the real one, with a tool that follows from the page.
+
+Every tool has a kind of page it is the right call for: a kind phrase in the title (most of the
+time) and signature elements in the numbered element list (always). The rest of the page, the
+job and the earlier observations are shared noise. Silver turns carry some wrong labels, as the
+agent's own reports do. Jobs are cut whole into train or eval, never both.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+# (tool, share of the corpus in percent, kind of page it is right for, signature elements)
+DEFAULT_TOOLS: list[tuple[str, float, str, tuple[str, ...]]] = [
+    (
+        "open",
+        18.7,
+        "search results",
+        ('link "Result"', 'link "More results"', 'text "About 1,200 results"'),
+    ),
+    (
+        "save_keywords",
+        9.5,
+        "glossary",
+        ('list "Key terms"', 'text "Definition"', 'link "Index of terms"'),
+    ),
+    (
+        "read",
+        8.0,
+        "article",
+        ('heading "Introduction"', 'text "Reading time 6 min"', 'link "Continue reading"'),
+    ),
+    ("look", 6.5, "image gallery", ('image "Figure"', 'button "Enlarge"', 'text "Photo credit"')),
+    ("search", 6.0, "home page", ('input "Search"', 'button "Go"', 'link "Popular topics"')),
+    (
+        "scroll",
+        5.0,
+        "long listing",
+        ('text "Showing 1-20 of 400"', 'link "Load more"', 'text "Scroll for more"'),
+    ),
+    (
+        "back",
+        4.0,
+        "not found",
+        ('text "Error 404"', 'link "Return to previous page"', 'text "Page missing"'),
+    ),
+    (
+        "sweep",
+        3.5,
+        "site directory",
+        ('link "Section A"', 'link "Section B"', 'text "All sections"'),
+    ),
+    ("click", 3.2, "menu", ('button "Open menu"', 'link "Submenu"', 'button "Expand"')),
+    (
+        "finish",
+        3.0,
+        "answer summary",
+        ('text "All questions answered"', 'text "Summary complete"', 'button "Done"'),
+    ),
+    (
+        "accept_cookies",
+        2.6,
+        "cookie notice",
+        ('button "Accept all cookies"', 'text "We use cookies"', 'button "Reject"'),
+    ),
+    (
+        "close_popup",
+        2.4,
+        "newsletter popup",
+        ('button "Close"', 'text "Subscribe to our newsletter"', 'input "Email"'),
+    ),
+    ("login", 2.2, "sign in", ('input "Username"', 'input "Password"', 'button "Sign in"')),
+    (
+        "download",
+        2.0,
+        "file download",
+        ('link "Download PDF"', 'text "File size 2.4 MB"', 'button "Save file"'),
+    ),
+    (
+        "next_page",
+        1.9,
+        "paged results",
+        ('link "Next page"', 'text "Page 1 of 9"', 'link "Page 2"'),
+    ),
+    (
+        "extract_table",
+        1.8,
+        "data table",
+        ('table "Statistics"', 'text "Rows 1-50"', 'button "Export CSV"'),
+    ),
+    (
+        "translate",
+        1.7,
+        "foreign language",
+        ('text "Dieser Artikel"', 'button "Translate page"', 'text "Language German"'),
+    ),
+    (
+        "fill_form",
+        1.6,
+        "contact form",
+        ('input "Name"', 'input "Message"', 'text "Required field"'),
+    ),
+    (
+        "submit",
+        1.5,
+        "filled form",
+        ('button "Submit"', 'text "All fields complete"', 'button "Send"'),
+    ),
+    ("wait", 1.4, "loading screen", ('text "Loading"', 'text "Please wait"', 'image "Spinner"')),
+    (
+        "refresh",
+        1.3,
+        "stale page",
+        ('text "Content may be out of date"', 'button "Reload"', 'text "Connection lost"'),
+    ),
+    ("cite", 1.2, "reference list", ('text "References"', 'link "doi"', 'text "Cited by 40"')),
+    (
+        "compare",
+        1.2,
+        "comparison",
+        ('table "Product A vs Product B"', 'text "Versus"', 'button "Compare"'),
+    ),
+    (
+        "summarize",
+        1.1,
+        "long report",
+        ('heading "Executive summary"', 'text "Chapter 7"', 'text "120 pages"'),
+    ),
+    ("select", 1.0, "dropdown", ('select "Choose a year"', 'option "2019"', 'option "2020"')),
+    (
+        "type",
+        1.0,
+        "empty search box",
+        ('input "Type your query"', 'text "Enter keywords"', 'button "Clear"'),
+    ),
+    ("zoom", 0.9, "map", ('image "Map"', 'button "Zoom in"', 'text "Scale 1 km"')),
+    (
+        "filter",
+        0.9,
+        "catalogue",
+        ('checkbox "In stock"', 'select "Price range"', 'button "Apply filters"'),
+    ),
+    ("sort", 0.8, "unsorted list", ('select "Sort by"', 'option "Newest"', 'option "Relevance"')),
+    (
+        "expand",
+        0.8,
+        "collapsed thread",
+        ('button "Show replies"', 'text "12 hidden comments"', 'link "Expand all"'),
+    ),
+    (
+        "bookmark",
+        0.7,
+        "key source",
+        ('text "Official statistics"', 'button "Bookmark"', 'text "Primary source"'),
+    ),
+    ("copy_text", 0.7, "quotation", ('text "Quote"', 'button "Copy"', 'text "Said the minister"')),
+    ("screenshot", 0.6, "chart", ('image "Chart"', 'text "Figure 3"', 'text "Source data"')),
+    (
+        "follow_link",
+        0.6,
+        "redirect notice",
+        ('link "Click here if not redirected"', 'text "Moved permanently"', 'text "Redirecting"'),
+    ),
+    (
+        "prev_page",
+        0.6,
+        "last page",
+        ('link "Previous page"', 'text "Page 9 of 9"', 'text "End of results"'),
+    ),
+    (
+        "report_error",
+        0.5,
+        "server error",
+        ('text "Error 500"', 'text "Internal server error"', 'text "Try later"'),
+    ),
+    (
+        "ask_user",
+        0.5,
+        "paywall",
+        ('text "Subscribe to read"', 'button "Buy access"', 'text "Members only"'),
+    ),
+    (
+        "collapse",
+        0.5,
+        "expanded panel",
+        ('button "Hide details"', 'text "Details shown"', 'button "Collapse"'),
+    ),
+    ("share", 0.4, "share dialog", ('button "Share"', 'link "Copy link"', 'text "Share with"')),
+    ("save_note", 0.4, "notes panel", ('input "Note"', 'text "Your notes"', 'button "Save note"')),
+]
+
+TOPICS = (
+    "solar panels",
+    "river pollution",
+    "vaccine trials",
+    "coffee prices",
+    "railway strikes",
+    "coral reefs",
+    "housing costs",
+    "election turnout",
+    "wheat harvest",
+    "battery recycling",
+    "tidal energy",
+    "museum funding",
+    "bird migration",
+    "chip shortages",
+    "forest fires",
+    "school meals",
+    "ocean plastics",
+    "wind farms",
+    "drought relief",
+    "city cycling",
+    "copper mining",
+    "flood defences",
+    "rare diseases",
+    "space debris",
+    "water tariffs",
+    "language apps",
+    "noise limits",
+    "tea exports",
+    "bee decline",
+    "port congestion",
+)
+FILLER = (
+    "the report notes",
+    "figures for last year",
+    "according to officials",
+    "in several regions",
+    "a recent survey",
+    "experts disagree",
+    "the data suggest",
+    "local groups say",
+    "prices rose",
+    "a slow decline",
+    "new rules apply",
+    "the committee met",
+    "most respondents",
+    "early results",
+    "costs were higher",
+    "the study found",
+    "critics argue",
+    "supporters claim",
+    "since the change",
+)
+GENERIC_ELEMENTS = (
+    'link "Home"',
+    'link "About"',
+    'link "Contact"',
+    'button "Menu"',
+    'link "Privacy"',
+    'link "Help"',
+    'image "Logo"',
+    'link "Terms"',
+    'text "Follow us"',
+    'link "Careers"',
+    'link "News"',
+    'button "Language"',
+    'link "Sitemap"',
+    'text "Copyright 2024"',
+)
+SITES = (
+    "example.org",
+    "news.example.com",
+    "data.example.net",
+    "wiki.example.org",
+    "shop.example.com",
+)
+
+
+@dataclass(frozen=True)
+class Wording:
+    """How a corpus phrases its prompts; a second wording stands in for a corpus never seen."""
+
+    intro: str
+    job: str
+    history: str
+    page: str
+    elements: str
+    title: str
+
+
+WORDINGS = {
+    "default": Wording(
+        intro="You are a research agent working in a web browser. Pick the next tool call and "
+        'answer with one JSON object {"tool": NAME, "args": {...}}.',
+        job="Job",
+        history="Earlier observations:",
+        page="Latest page:",
+        elements="Elements:",
+        title="Title:",
+    ),
+    "alt": Wording(
+        intro="Assistant for browsing tasks. Reply with exactly one JSON call naming a tool.",
+        job="Task",
+        history="What happened so far:",
+        page="Current view:",
+        elements="Interactive items:",
+        title="Heading:",
+    ),
+}
+
+_SYLLABLES = (
+    "ka",
+    "lo",
+    "mi",
+    "ren",
+    "tu",
+    "sa",
+    "vor",
+    "ne",
+    "pi",
+    "dal",
+    "ko",
+    "ber",
+    "fi",
+    "zu",
+)
+_KIND_WORDS = (
+    "ledger",
+    "atlas",
+    "forum",
+    "bulletin",
+    "archive",
+    "register",
+    "digest",
+    "almanac",
+    "roster",
+    "journal",
+    "gazette",
+    "chronicle",
+    "index",
+    "manual",
+    "brochure",
+)
+_KIND_ADJ = (
+    "blue",
+    "quiet",
+    "narrow",
+    "public",
+    "annual",
+    "private",
+    "open",
+    "sealed",
+    "old",
+    "broad",
+    "local",
+    "shared",
+)
+_ELEMENT_TYPES = ("button", "link", "text", "input", "image", "select")
+
+
+@dataclass(frozen=True)
+class SynthSettings:
+    out: Path
+    turns: int = 3000
+    eval_turns: int = 300
+    seed: int = 0
+    prompt_tokens: int = 300
+    tools: int = 40
+    wording: str = "default"
+    silver_share: float = 0.35
+    silver_wrong: float = 0.25
+    generic_title_share: float = 0.25
+
+    def validate(self) -> None:
+        if self.turns < 10 or self.eval_turns < 1:
+            raise ValueError("synth needs --turns >= 10 and --eval-turns >= 1")
+        if not 2 <= self.tools <= len(DEFAULT_TOOLS):
+            raise ValueError(f"--tools must be between 2 and {len(DEFAULT_TOOLS)}")
+        if self.wording not in WORDINGS:
+            raise ValueError(f"--wording must be one of {sorted(WORDINGS)}")
+        if self.prompt_tokens < 80:
+            raise ValueError("--prompt-tokens must be at least 80")
+
+
+def tool_table(
+    settings: SynthSettings, rng: random.Random
+) -> list[tuple[str, float, str, tuple[str, ...]]]:
+    """The tools of this corpus: the default forty, or invented names and pages for 'alt'."""
+    table = DEFAULT_TOOLS[: settings.tools]
+    if settings.wording == "default":
+        return table
+    invented, used = [], set()
+    for _, share, _, _ in table:
+        name = ""
+        while not name or name in used:
+            name = "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3)))
+            name += rng.choice(("", "_it", "_all", "_up"))
+        used.add(name)
+        kind = f"{rng.choice(_KIND_ADJ)} {rng.choice(_KIND_WORDS)}"
+        signature = tuple(
+            f'{rng.choice(_ELEMENT_TYPES)} "{rng.choice(_KIND_ADJ).title()} {rng.choice(_KIND_WORDS)} {i}"'
+            for i in range(3)
+        )
+        invented.append((name, share * rng.uniform(0.6, 1.4), kind, signature))
+    return invented
+
+
+def catalogue(wording: Wording, table, with_descriptions: bool) -> str:
+    lines = [wording.intro, "Tools:"]
+    for name, _, kind, _ in table:
+        lines.append(f"- {name}: use on a {kind} page" if with_descriptions else f"- {name}")
+    return "\n".join(lines)
+
+
+def _answer(tool: str, index: int, n: int, topic: str) -> str:
+    style = index % 3
+    if style == 0:
+        args: dict = {"n": n}
+    elif style == 1:
+        args = {"text": topic}
+    else:
+        args = {}
+    return json.dumps({"tool": tool, "args": args}, separators=(",", ":"))
+
+
+def _page(rng, wording, table, index, topic, chars_wanted, generic_title_share):
+    _, _, kind, signature = table[index]
+    site = rng.choice(SITES)
+    if rng.random() < generic_title_share:
+        title = f"{topic.title()} | {site}"
+    else:
+        title = f"{kind.title()}: {topic}"
+    elements = rng.sample(signature, 2) + rng.sample(GENERIC_ELEMENTS, rng.randint(3, 7))
+    rng.shuffle(elements)
+    numbered = [f"[{i + 1}] {e}" for i, e in enumerate(elements)]
+    signature_at = next(i + 1 for i, e in enumerate(elements) if e in signature)
+    text: list[str] = []
+    size = 0
+    while size < chars_wanted:
+        line = f"{rng.choice(FILLER).capitalize()} on {topic}, {rng.choice(FILLER)}."
+        text.append(line)
+        size += len(line) + 1
+    lines = [
+        wording.page,
+        f"URL: https://{site}/{kind.replace(' ', '-')}/{rng.randint(10, 9999)}",
+        f"{wording.title} {title}",
+        *text,
+        wording.elements,
+        *numbered,
+    ]
+    return "\n".join(lines), signature_at
+
+
+def make_turn(rng, settings, wording, table, weights, system, job, topic) -> dict:
+    index = rng.choices(range(len(table)), weights=weights)[0]
+    history = [
+        f"- {rng.choice(table)[0]}: {rng.choice(FILLER)} on {rng.choice(TOPICS)}"
+        for _ in range(rng.randint(0, 5))
+    ]
+    head = f"{wording.job} {job}: find out about {topic}."
+    fixed = len(system) + len(head) + sum(len(h) + 1 for h in history) + 260
+    # About 3.6 characters a token under a BPE trained on this corpus.
+    page, n = _page(
+        rng,
+        wording,
+        table,
+        index,
+        topic,
+        max(0, settings.prompt_tokens * 3.6 - fixed),
+        settings.generic_title_share,
+    )
+    user = "\n\n".join([head, "\n".join([wording.history, *history]) if history else "", page])
+    tool = table[index][0]
+    tier = "gold" if rng.random() >= settings.silver_share else "silver"
+    if tier == "silver" and rng.random() < settings.silver_wrong:
+        tool = rng.choice(table)[0]
+    return {
+        "job": job,
+        "tier": tier,
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": user.replace("\n\n\n", "\n\n")},
+            {"role": "assistant", "content": _answer(tool, index, n, topic)},
+        ],
+    }
+
+
+def write_corpus(settings: SynthSettings) -> dict:
+    """Write train.jsonl and eval.jsonl under settings.out; returns counts."""
+    settings.validate()
+    rng = random.Random(settings.seed)
+    wording = WORDINGS[settings.wording]
+    table = tool_table(settings, rng)
+    weights = [share for _, share, _, _ in table]
+    system = catalogue(wording, table, with_descriptions=settings.prompt_tokens >= 1200)
+    settings.out.mkdir(parents=True, exist_ok=True)
+    counts = {}
+    job_no = 0
+    for name, want in (("eval", settings.eval_turns), ("train", settings.turns)):
+        written = 0
+        with open(settings.out / f"{name}.jsonl", "w", encoding="utf-8") as f:
+            while written < want:
+                job_no += 1
+                job = f"j-{job_no:05d}"
+                topic = rng.choice(TOPICS)
+                for _ in range(min(rng.randint(3, 10), want - written)):
+                    turn = make_turn(rng, settings, wording, table, weights, system, job, topic)
+                    f.write(json.dumps(turn, ensure_ascii=False) + "\n")
+                    written += 1
+        counts[name] = written
+    counts["tools"] = len(table)
+    return counts

@@ -1,0 +1,159 @@
+"""Loading a student by its architecture, finding LoRA targets, and the answer-only loss."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from gbray.data.fit import IGNORE
+
+log = logging.getLogger(__name__)
+
+SCOPES = {
+    "all": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    "attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+}
+# Towers of multimodal students that a text round never adapts.
+SKIPPED_TOWERS = ("vision", "visual", "audio", "image")
+
+
+def dtype_for(precision: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+        precision
+    ]
+
+
+def load_base(model_path: str | Path, precision: str = "float32"):
+    """The model class its config names, falling back to the causal-LM loader."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(model_path)
+    dtype = dtype_for(precision)
+    model = None
+    for name in config.architectures or []:
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            try:
+                model = cls.from_pretrained(model_path, dtype=dtype)
+                break
+            except (ValueError, TypeError, OSError) as e:
+                log.info(
+                    "loading %s as %s failed (%s); using the causal-LM loader", model_path, name, e
+                )
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def lora_targets(model: nn.Module, wanted: tuple[str, ...]) -> list[str]:
+    """Full names of the Linear layers to adapt.
+
+    A wanted name on a plain Linear is used as is; a wrapper with exactly one Linear child (Gemma 4's
+    clippable linear) is adapted through that child; vision, audio and image towers are skipped.
+    """
+    targets = []
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        if parts[-1] not in wanted or any(t in p.lower() for p in parts for t in SKIPPED_TOWERS):
+            continue
+        if isinstance(module, nn.Linear):
+            targets.append(name)
+            continue
+        linears = [(n, m) for n, m in module.named_modules() if n and isinstance(m, nn.Linear)]
+        if len(linears) == 1:
+            targets.append(f"{name}.{linears[0][0]}")
+    return targets
+
+
+def wrap_lora(model, scope: str, r: int, alpha: int, dropout: float):
+    from peft import LoraConfig, get_peft_model
+
+    targets = lora_targets(model, SCOPES[scope])
+    if not targets:
+        raise ValueError(f"no LoRA targets for scope {scope!r} in {type(model).__name__}")
+    config = LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=targets,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)
+
+
+def fetch_adapter(adapter: str, into: Path) -> Path:
+    """A local adapter folder as is; `hub:<name>` needs a hub, which this build does not have."""
+    if adapter.startswith("hub:"):
+        raise ValueError(f"{adapter}: fetching adapters from a hub needs --hub (not available yet)")
+    path = Path(adapter)
+    if not (path / "adapter_config.json").is_file():
+        raise ValueError(f"{adapter} is not an adapter folder (no adapter_config.json)")
+    return path
+
+
+def load_student(
+    model_path, adapter: str | None, precision: str, trainable: bool, lora: dict | None = None
+):
+    """The student ready for a round: carried-on adapter (its own shape wins) or a fresh LoRA."""
+    from peft import PeftModel
+
+    base, tokenizer = load_base(model_path, precision)
+    if adapter:
+        model = PeftModel.from_pretrained(base, str(adapter), is_trainable=trainable)
+    elif lora is not None:
+        model = wrap_lora(base, **lora)
+    else:
+        model = base
+    return model, tokenizer
+
+
+def _body_and_head(model):
+    """The transformer body and LM head of a (possibly PEFT-wrapped) causal LM, or None."""
+    inner = model
+    if hasattr(inner, "get_base_model"):
+        inner = inner.get_base_model()
+    body = getattr(inner, "model", None)
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    if isinstance(body, nn.Module) and isinstance(head, nn.Module):
+        return body, head
+    return None
+
+
+def answer_loss(model, batch: dict) -> tuple[torch.Tensor, int]:
+    """Mean cross-entropy over labelled tokens, and how many there were.
+
+    The LM head runs only where the next token is labelled, in float32: full-vocabulary logits
+    for 4,096 positions are 2.5 GB in float32 and ran a 24 GB card out of memory. Architectures
+    without the usual body + head use the model's own loss.
+    """
+    labels = batch["labels"]
+    targets = labels[:, 1:]
+    keep = targets != IGNORE
+    count = int(keep.sum())
+    parts = _body_and_head(model)
+    if parts is None:
+        out = model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels
+        )
+        return out.loss, count
+    body, head = parts
+    hidden = body(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+    ).last_hidden_state
+    picked = hidden[:, :-1][keep]
+    logits = head(picked).float()
+    # An all-masked batch gives 0/0 = NaN here, which the trainer's guard counts and skips.
+    loss = (
+        nn.functional.cross_entropy(logits, targets[keep], reduction="sum") / count
+        if count
+        else logits.sum() * float("nan")
+    )
+    return loss, count

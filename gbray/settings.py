@@ -1,0 +1,208 @@
+"""Typed settings, validated once at the edge; the recipe as written beside every artifact.
+
+Each field's help text is its CLI help: `gbray round --help` is generated from these classes.
+Device-dependent defaults (None here) are settled once by `Recipe.resolve(device)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+
+def setting(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Every setting that makes two rounds comparable. It travels with the round."""
+
+    hours: float = setting(
+        8.0, "the round's training budget in hours (the ceiling; the plan is epochs)"
+    )
+    epochs: float = setting(3.0, "passes over the slice")
+    turns: int | None = setting(
+        None, "slice size; default 10000 on a GPU, max(120, hours*40/epochs) on a CPU"
+    )
+    lr: float = setting(2e-4, "peak learning rate")
+    warmup: float = setting(0.05, "share of the steps spent in linear warm-up")
+    min_lr_ratio: float = setting(0.1, "the cosine ends at this fraction of the peak")
+    batch: int = setting(1, "turns per forward pass")
+    accum: int = setting(16, "forward passes per optimizer step")
+    lora_r: int = setting(32, "LoRA rank")
+    lora_alpha: int = setting(64, "LoRA alpha")
+    lora_dropout: float = setting(0.05, "LoRA dropout")
+    lora_scope: str = setting(
+        "all", "all: q,k,v,o,gate,up,down; attn: q,k,v,o", choices=("all", "attn")
+    )
+    max_len: int = setting(4096, "tokens per turn; longer prompts are fitted, never dropped")
+    answer_room: int = setting(96, "answer tokens a fitted prompt always leaves room for")
+    val_turns: int = setting(64, "held-out turns for the validation loss")
+    val_every_minutes: float | None = setting(
+        None, "minutes between validations; default 60 on a CPU, off on a GPU"
+    )
+    val_every_steps: int | None = setting(
+        None, "optimizer steps between validations; default 200 on a GPU, off on a CPU"
+    )
+    patience: int = setting(3, "validations without gain before training stops")
+    min_gain: float = setting(
+        1e-4, "a validation loss must be lower by more than this to count as a gain"
+    )
+    last_every_minutes: float = setting(30.0, "minutes between last-checkpoint saves")
+    progress_every_minutes: float = setting(5.0, "minutes between progress lines")
+    grad_clip: float = setting(1.0, "gradient norm clip")
+    weight_decay: float = setting(0.0, "AdamW weight decay")
+    answer_budget: int = setting(320, "tokens the exam lets the student answer with")
+    exam_turns: int | None = setting(None, "turns on the paper; default 150 on a CPU, 500 on a GPU")
+    exam_batch: int = setting(16, "turns generated together in an exam")
+    precision: str = setting(
+        "float32",
+        "float32, or bfloat16 on a GPU; the exam uses the same",
+        choices=("float32", "bfloat16"),
+    )
+    threads: int = setting(0, "torch threads per actor; 0: the CPUs Ray gave the actor")
+    gradient_checkpointing: bool = setting(
+        True, "recompute activations (memory stops growing with depth)"
+    )
+    seed: int | None = setting(None, "training draw seed; default from the clock, so rounds move")
+    device: str = setting("auto", "auto, cpu or cuda", choices=("auto", "cpu", "cuda"))
+
+    def validate(self) -> None:
+        problems = []
+        if not self.hours > 0:
+            problems.append("--hours must be > 0")
+        if not self.epochs > 0:
+            problems.append("--epochs must be > 0")
+        for name in (
+            "batch",
+            "accum",
+            "lora_r",
+            "lora_alpha",
+            "val_turns",
+            "patience",
+            "answer_budget",
+            "exam_batch",
+        ):
+            if getattr(self, name) < 1:
+                problems.append(f"--{name.replace('_', '-')} must be >= 1")
+        if not 0 < self.lr < 1:
+            problems.append("--lr must be between 0 and 1")
+        if not 0 <= self.warmup < 1 or not 0 <= self.min_lr_ratio <= 1:
+            problems.append("--warmup must be in [0, 1) and --min-lr-ratio in [0, 1]")
+        if self.max_len < self.answer_room + 32:
+            problems.append("--max-len must leave room for a prompt beside --answer-room")
+        if self.turns is not None and self.turns < 1:
+            problems.append("--turns must be >= 1")
+        if self.exam_turns is not None and self.exam_turns < 1:
+            problems.append("--exam-turns must be >= 1")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def resolve(self, device: str) -> Recipe:
+        """Settle the device-dependent defaults; the result is what gets recorded."""
+        gpu = device == "cuda"
+        turns = self.turns or (
+            10_000 if gpu else max(120, math.ceil(self.hours * 40 / self.epochs))
+        )
+        return dataclasses.replace(
+            self,
+            device=device,
+            turns=turns,
+            val_every_minutes=self.val_every_minutes
+            if self.val_every_minutes is not None
+            else (0.0 if gpu else 60.0),
+            val_every_steps=self.val_every_steps
+            if self.val_every_steps is not None
+            else (200 if gpu else 0),
+            exam_turns=self.exam_turns or (500 if gpu else 150),
+            seed=self.seed if self.seed is not None else int(time.time() * 1000) % 2**31,
+        )
+
+    @property
+    def lora(self) -> dict:
+        return {
+            "scope": self.lora_scope,
+            "r": self.lora_r,
+            "alpha": self.lora_alpha,
+            "dropout": self.lora_dropout,
+        }
+
+
+@dataclass(frozen=True)
+class RoundSettings:
+    """Where a round reads, what it trains, where it writes."""
+
+    data: Path = setting(None, "data folder with train.jsonl and eval.jsonl", required=True)
+    model: str = setting(
+        None, "student model folder (from `gbray student`, or any causal LM)", required=True
+    )
+    out: Path = setting(None, "output folder for round.json, adapters and logs", required=True)
+    adapter: str | None = setting(
+        None, "carry on from this adapter folder instead of the bare student"
+    )
+    address: str | None = setting(None, "Ray cluster address; default: a local Ray")
+    recipe: Recipe = field(default_factory=Recipe)
+
+    def validate(self) -> None:
+        self.recipe.validate()
+        if not (Path(self.model) / "config.json").is_file():
+            raise ValueError(f"--model {self.model} is not a model folder (no config.json)")
+
+
+def add_fields(
+    parser: argparse.ArgumentParser, cls, title: str, skip: tuple[str, ...] = ()
+) -> None:
+    """One CLI flag per dataclass field, with the field's help and default."""
+    group = parser.add_argument_group(title, cls.__doc__.strip() if cls.__doc__ else None)
+    for f in fields(cls):
+        if f.name in skip or "help" not in f.metadata:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        meta = f.metadata
+        default = f.default if f.default is not dataclasses.MISSING else None
+        kind = str(f.type)
+        kwargs = {
+            "help": meta["help"] + (f" (default {default})" if default is not None else ""),
+            "dest": f.name,
+        }
+        if "choices" in meta:
+            kwargs["choices"] = meta["choices"]
+        if kind.startswith("bool"):
+            kwargs["action"] = argparse.BooleanOptionalAction
+            kwargs["default"] = default
+        else:
+            kwargs["type"] = (
+                float
+                if kind.startswith("float")
+                else int
+                if kind.startswith("int")
+                else Path
+                if kind.startswith("Path")
+                else str
+            )
+            kwargs["default"] = default
+            kwargs["required"] = meta.get("required", False)
+        group.add_argument(flag, **kwargs)
+
+
+def from_args(cls, args: argparse.Namespace, **extra):
+    values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+    return cls(**{**values, **extra})
+
+
+def as_record(obj) -> dict:
+    """A settings object as plain JSON values."""
+    out = {}
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            value = as_record(value)
+        elif isinstance(value, Path):
+            value = str(value)
+        out[f.name] = value
+    return out

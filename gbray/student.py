@@ -1,0 +1,232 @@
+"""Building students: a tokenizer trained on the corpus, a chat template, Qwen2 weights.
+
+`tiny` is small enough to train in minutes on two cores and is pre-trained briefly on a task that
+uses no tool labels: language modelling on the corpus, with every answer naming a tool drawn at
+random from the corpus's tools. It learns to read a page and to answer with one JSON call, but
+not which tool a page calls for. `qwen2.5-0.5b-shape` has the real student's dimensions and random
+weights: the real model's compute, for benchmarks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from gbray.data.fit import IGNORE, Example, chat_prompt_ids, collate
+from gbray.data.turns import TurnIndex, index_folder
+
+log = logging.getLogger(__name__)
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+SHAPES = {
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        rope_theta=10000.0,
+    ),
+    "qwen2.5-0.5b-shape": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        vocab_size=151936,
+    ),
+}
+_TOOL_IN_ANSWER = re.compile(r'("tool"\s*:\s*")([^"\\]+)(")')
+
+
+@dataclass(frozen=True)
+class StudentSettings:
+    data: Path
+    out: Path
+    size: str = "tiny"
+    vocab: int = 1536
+    pretrain_seconds: float = 90.0
+    pretrain_max_len: int = 512
+    pretrain_lr: float = 3e-3
+    pretrain_batch: int = 8
+    seed: int = 0
+    threads: int = 0
+
+    def validate(self) -> None:
+        if self.size not in SHAPES:
+            raise ValueError(f"--size must be one of {sorted(SHAPES)}")
+        if not 300 <= self.vocab <= 65536:
+            raise ValueError("--vocab must be between 300 and 65536")
+        if self.pretrain_seconds < 0:
+            raise ValueError("--pretrain-seconds must be >= 0")
+
+
+def _sample_texts(index: TurnIndex, n: int, rng: random.Random) -> list[dict]:
+    positions = rng.sample(range(len(index)), min(n, len(index)))
+    return index.read(positions)
+
+
+def train_tokenizer(turns: list[dict], vocab: int):
+    """A byte-level BPE over the corpus text, wrapped as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=SPECIAL,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    texts = (t[key] for t in turns for key in ("system", "user", "answer"))
+    bpe.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=32768,
+    )
+
+
+def build_model(size: str, tokenizer, seed: int):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    shape = dict(SHAPES[size])
+    rope_theta = shape.pop("rope_theta")
+    vocab = shape.pop("vocab_size", None) or (len(tokenizer) + 63) // 64 * 64
+    config = Qwen2Config(
+        vocab_size=vocab,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        use_cache=True,
+        **shape,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def pretraining_example(tokenizer, turn: dict, tool: str, max_len: int) -> Example:
+    """The turn with its answer naming `tool`, every token labelled: reading and format, no labels."""
+    answer = _TOOL_IN_ANSWER.sub(lambda m: m.group(1) + tool + m.group(3), turn["answer"], count=1)
+    prompt = chat_prompt_ids(tokenizer, turn["system"], turn["user"])
+    tail = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    # Keep the end of the prompt (the latest page) and the whole answer.
+    ids = (prompt[-(max_len - len(tail)) :] + tail)[:max_len]
+    return Example(ids, list(ids), tool, len(prompt) + len(tail) > max_len)
+
+
+def pretrain(model, tokenizer, turns: list[dict], settings: StudentSettings) -> dict:
+    """Language modelling on the corpus with random tools in the answers, for a set time."""
+    import torch
+
+    rng = random.Random(settings.seed)
+    tools = sorted({t["tool"] for t in turns})
+    examples = [
+        pretraining_example(tokenizer, t, rng.choice(tools), settings.pretrain_max_len)
+        for t in turns
+    ]
+    examples.sort(key=lambda e: len(e.input_ids))
+    batches = [
+        examples[i : i + settings.pretrain_batch]
+        for i in range(0, len(examples), settings.pretrain_batch)
+    ]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.pretrain_lr, weight_decay=0.0)
+    model.train()
+    start, steps, losses = time.monotonic(), 0, []
+    last_note = start
+    while time.monotonic() - start < settings.pretrain_seconds:
+        rng.shuffle(batches)
+        for batch in batches:
+            elapsed = time.monotonic() - start
+            if elapsed >= settings.pretrain_seconds:
+                break
+            # A short warm-up, then linear decay over the time budget.
+            frac = min(1.0, (steps + 1) / 20) * max(0.05, 1 - elapsed / settings.pretrain_seconds)
+            for group in optimizer.param_groups:
+                group["lr"] = settings.pretrain_lr * frac
+            tensors = collate(batch, tokenizer.pad_token_id)
+            tensors["labels"][tensors["attention_mask"] == 0] = IGNORE
+            loss = model(**tensors).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            steps += 1
+            if time.monotonic() - last_note > 15:
+                last_note = time.monotonic()
+                log.info(
+                    "pre-training: step %d, loss %.3f, %.0f s of %.0f s",
+                    steps,
+                    sum(losses[-20:]) / len(losses[-20:]),
+                    elapsed,
+                    settings.pretrain_seconds,
+                )
+    model.eval()
+    tail = losses[-20:]
+    return {
+        "steps": steps,
+        "seconds": round(time.monotonic() - start, 1),
+        "final_loss": round(sum(tail) / len(tail), 4) if tail else None,
+        "task": "language modelling on the corpus, answers naming random tools",
+    }
+
+
+def build_student(settings: StudentSettings) -> dict:
+    """Write a model folder that AutoModelForCausalLM.from_pretrained(folder) loads."""
+    import torch
+
+    from gbray.platform import set_threads
+
+    settings.validate()
+    set_threads(settings.threads)
+    train, _ = index_folder(settings.data)
+    rng = random.Random(settings.seed)
+    turns = _sample_texts(train, 3000, rng)
+    log.info("training a %d-token BPE on %d turns", settings.vocab, len(turns))
+    tokenizer = train_tokenizer(turns, settings.vocab)
+    model = build_model(settings.size, tokenizer, settings.seed)
+    report = {
+        "size": settings.size,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "vocab": len(tokenizer),
+        "bad_lines": train.bad.as_dict(),
+    }
+    if settings.size == "tiny" and settings.pretrain_seconds > 0:
+        report["pretraining"] = pretrain(model, tokenizer, turns, settings)
+    settings.out.mkdir(parents=True, exist_ok=True)
+    model.to(torch.float32).save_pretrained(settings.out)
+    tokenizer.save_pretrained(settings.out)
+    record = {
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()},
+        **report,
+    }
+    (settings.out / "student.json").write_text(json.dumps(record, indent=2))
+    return record

@@ -1,0 +1,367 @@
+"""The training loop (SPEC §5), a plain class: it knows nothing of Ray or HTTP.
+
+It is handed `report(line)` for progress lines, `on_check(point)` for validation points and
+`should_stop()` to poll; the round decides where those go.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from gbray.data.fit import Example, collate, make_examples
+from gbray.model import answer_loss, load_student
+from gbray.platform import set_threads
+from gbray.settings import Recipe
+
+log = logging.getLogger(__name__)
+
+REPLAN_AFTER_STEPS = 5
+
+
+def _nothing(*_args) -> None:
+    return None
+
+
+@dataclass
+class Plan:
+    """The schedule's shape: re-planned once the real speed is known, so warm-up and cosine fit
+    the steps that will really happen (a cosine that expected 600 steps and got 120 never left
+    its warm-up)."""
+
+    total: int
+    warmup: int
+    replanned_from: int | None = None
+
+
+def make_scheduler(optimizer, plan: Plan, recipe: Recipe, done: int):
+    from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
+
+    # last_epoch=done-1: the new schedule's next step is the `done`-th.
+    return get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, plan.warmup, plan.total, last_epoch=done - 1, min_lr_rate=recipe.min_lr_ratio
+    )
+
+
+def planned_steps(turns: int, recipe: Recipe) -> int:
+    micro = math.ceil(turns * recipe.epochs / recipe.batch)
+    return max(1, math.ceil(micro / recipe.accum))
+
+
+def replan(
+    plan: Plan, steps_done: int, seconds_per_step: float, seconds_left: float, recipe: Recipe
+) -> Plan:
+    """Shrink the schedule to the steps the remaining time allows; never grow it."""
+    fit = steps_done + max(0, int(seconds_left / max(seconds_per_step, 1e-9)))
+    if fit >= plan.total:
+        return plan
+    total = max(steps_done + 1, fit)
+    return Plan(
+        total=total,
+        warmup=math.ceil(recipe.warmup * total),
+        replanned_from=plan.replanned_from or plan.total,
+    )
+
+
+def _memory_gb(device: str) -> float:
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 1e9
+    import psutil
+
+    return psutil.Process().memory_info().rss / 1e9
+
+
+@dataclass
+class TrainState:
+    steps: int = 0
+    micro: int = 0
+    turn_passes: int = 0
+    pending: int = 0  # micro-batches back-propagated since the last optimizer step
+    pending_turns: int = 0
+    skipped_nan: int = 0
+    losses: list = field(default_factory=list)
+    seen: set = field(default_factory=set)
+    best_val: float = math.inf
+    best_step: int | None = None
+    checks_without_gain: int = 0
+    checks: list = field(default_factory=list)
+    why: str = "finished"
+
+
+class Trainer:
+    def __init__(
+        self,
+        model_path: str,
+        adapter: str | None,
+        recipe: Recipe,
+        out: Path,
+        report: Callable[[str], None] = log.info,
+        on_check: Callable[[dict], None] = _nothing,
+        should_stop: Callable[[], bool] = lambda: False,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.recipe, self.out = recipe, Path(out)
+        self.report, self.on_check, self.should_stop, self.clock = (
+            report,
+            on_check,
+            should_stop,
+            clock,
+        )
+        self.threads = set_threads(recipe.threads)
+        torch.manual_seed(recipe.seed or 0)
+        self.device = "cuda" if recipe.device == "cuda" else "cpu"
+        self.model, self.tokenizer = load_student(
+            model_path, adapter, recipe.precision, trainable=True, lora=recipe.lora
+        )
+        self.model.to(self.device)
+        if recipe.gradient_checkpointing:
+            kwargs = {"use_reentrant": False}
+            if hasattr(self.model, "activation_checkpointing_enable"):
+                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:  # transformers before 5
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            # The frozen base must still build a graph back to the adapters.
+            self.model.enable_input_require_grads()
+        self.model.config.use_cache = False
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=recipe.weight_decay)
+
+    # -- pieces -------------------------------------------------------------------------------
+
+    def _to_device(self, batch: dict) -> dict:
+        return {k: v.to(self.device) for k, v in batch.items()}
+
+    def micro_step(self, examples: list[Example], state: TrainState) -> float | None:
+        """Forward and backward one micro-batch; a non-finite loss is skipped and counted."""
+        self.model.train()
+        batch = self._to_device(collate(examples, self.tokenizer.pad_token_id))
+        loss, _ = answer_loss(self.model, batch)
+        state.micro += 1
+        if not torch.isfinite(loss):
+            state.skipped_nan += 1
+            self.report(f"skipped a non-finite loss ({state.skipped_nan} so far)")
+            return None
+        (loss / self.recipe.accum).backward()
+        state.pending += 1
+        value = loss.item()
+        state.losses.append(value)
+        return value
+
+    def optimizer_step(self, state: TrainState, scheduler) -> None:
+        if state.pending:
+            torch.nn.utils.clip_grad_norm_(
+                [p for p in self.model.parameters() if p.requires_grad], self.recipe.grad_clip
+            )
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        state.pending = 0
+        state.pending_turns = 0
+        state.steps += 1
+        scheduler.step()
+
+    @torch.no_grad()
+    def validation_loss(self, examples: list[Example]) -> float:
+        """Teacher-forced loss on held-out turns, forward only, weighted by labelled tokens."""
+        self.model.eval()
+        total, count = 0.0, 0
+        size = max(1, self.recipe.batch)
+        for i in range(0, len(examples), size):
+            batch = self._to_device(collate(examples[i : i + size], self.tokenizer.pad_token_id))
+            loss, n = answer_loss(self.model, batch)
+            if torch.isfinite(loss) and n:
+                total += loss.item() * n
+                count += n
+        return total / count if count else math.nan
+
+    def save(self, name: str, state: TrainState) -> Path:
+        path = self.out / name
+        self.model.save_pretrained(path)
+        (path / "trainer_state.json").write_text(
+            json.dumps(
+                {
+                    "step": state.steps,
+                    "turn_passes": state.turn_passes,
+                    "best_val_loss": state.best_val if math.isfinite(state.best_val) else None,
+                }
+            )
+        )
+        return path
+
+    def validate(self, val: list[Example], state: TrainState) -> None:
+        value = self.validation_loss(val)
+        gain = math.isfinite(value) and value < state.best_val - self.recipe.min_gain
+        if gain:
+            state.best_val, state.best_step, state.checks_without_gain = value, state.steps, 0
+            self.save("best", state)
+        else:
+            state.checks_without_gain += 1
+        recent = state.losses[-50:]
+        point = {
+            "step": state.steps,
+            "turns": state.turn_passes,
+            "valLoss": value,
+            "trainLoss": sum(recent) / len(recent) if recent else None,
+            "best": state.best_val if math.isfinite(state.best_val) else None,
+            "lr": self.optimizer.param_groups[0]["lr"],
+        }
+        state.checks.append(point)
+        self.on_check(point)
+        self.report(
+            f"validation at step {state.steps}: loss {value:.4f}"
+            + (" (best)" if gain else f" ({state.checks_without_gain} without gain)")
+        )
+
+    def progress_line(
+        self,
+        state: TrainState,
+        plan: Plan,
+        passes_total: int,
+        epoch: int,
+        started: float,
+        deadline: float,
+    ) -> str:
+        now = self.clock()
+        minutes_in = (now - started) / 60
+        per_step = (now - started) / state.steps if state.steps else None
+        left_by_plan = (plan.total - state.steps) * per_step / 60 if per_step else None
+        left = (
+            (deadline - now) / 60
+            if left_by_plan is None
+            else min(left_by_plan, (deadline - now) / 60)
+        )
+        recent = state.losses[-16:]
+        loss = f"{sum(recent) / len(recent):.3f}" if recent else "n/a"
+        return (
+            f"{state.turn_passes}/{passes_total} turn-passes · epoch {epoch}/{math.ceil(self.recipe.epochs)}"
+            f" · step {state.steps}/{plan.total} ({state.pending_turns}/{self.recipe.accum * self.recipe.batch}"
+            f" turns into the next) · loss {loss} · lr {self.optimizer.param_groups[0]['lr']:.1e}"
+            f" · {minutes_in:.0f} min in, about {max(0.0, left):.0f} min left, {_memory_gb(self.device):.1f} GB"
+        )
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def train(self, train_turns: list[dict], val_turns: list[dict]) -> dict:
+        recipe = self.recipe
+        started = self.clock()
+        deadline = started + recipe.hours * 3600
+        examples, shortened = make_examples(
+            self.tokenizer, train_turns, recipe.max_len, recipe.answer_room
+        )
+        val, _ = make_examples(self.tokenizer, val_turns, recipe.max_len, recipe.answer_room)
+        if not examples:
+            raise ValueError("no turns to train on")
+        passes_total = math.ceil(len(examples) * recipe.epochs)
+        plan = Plan(total=planned_steps(len(examples), recipe), warmup=0)
+        plan.warmup = math.ceil(recipe.warmup * plan.total)
+        scheduler = make_scheduler(self.optimizer, plan, recipe, done=0)
+        state = TrainState()
+        self.report(
+            f"training {len(examples)} turns ({shortened} shortened to fit {recipe.max_len} tokens), "
+            f"{recipe.epochs:g} epochs, {plan.total} steps planned, {recipe.hours * 60:.1f} min budget, "
+            f"{self.threads} threads on {self.device}"
+        )
+        rng = random.Random(recipe.seed)
+        last_val = last_save = last_note = self.clock()
+        first_note_done = False
+        loop_started = self.clock()
+        epoch = 0
+        while state.turn_passes < passes_total and state.why == "finished":
+            epoch += 1
+            order = list(range(len(examples)))
+            rng.shuffle(order)
+            for i in range(0, len(order), recipe.batch):
+                chunk = order[i : i + recipe.batch][: passes_total - state.turn_passes]
+                if not chunk:
+                    break
+                self.micro_step([examples[j] for j in chunk], state)
+                state.turn_passes += len(chunk)
+                state.pending_turns += len(chunk)
+                state.seen.update(chunk)
+                if state.micro % recipe.accum == 0:
+                    self.optimizer_step(state, scheduler)
+                    if state.steps >= plan.total:
+                        # Past the plan (faster than predicted): hold the floor instead of letting
+                        # the cosine climb back.
+                        for group in self.optimizer.param_groups:
+                            group["lr"] = recipe.lr * recipe.min_lr_ratio
+                    if state.steps == REPLAN_AFTER_STEPS:
+                        per_step = (self.clock() - loop_started) / state.steps
+                        new = replan(plan, state.steps, per_step, deadline - self.clock(), recipe)
+                        if new is not plan:
+                            self.report(
+                                f"re-planned: {new.total} steps fit the time left "
+                                f"(planned {plan.total}), warm-up {new.warmup}"
+                            )
+                            plan = new
+                            scheduler = make_scheduler(
+                                self.optimizer, plan, recipe, done=state.steps
+                            )
+                    due_by_time = (
+                        recipe.val_every_minutes
+                        and self.clock() - last_val >= recipe.val_every_minutes * 60
+                    )
+                    due_by_steps = (
+                        recipe.val_every_steps and state.steps % recipe.val_every_steps == 0
+                    )
+                    if due_by_time or due_by_steps:
+                        self.validate(val, state)
+                        last_val = self.clock()
+                        if state.checks_without_gain >= recipe.patience:
+                            state.why = "patience"
+                    if self.clock() - last_save >= recipe.last_every_minutes * 60:
+                        self.save("last", state)
+                        last_save = self.clock()
+                now = self.clock()
+                if (
+                    not first_note_done and state.turn_passes >= min(4, passes_total)
+                ) or now - last_note >= recipe.progress_every_minutes * 60:
+                    first_note_done, last_note = True, now
+                    self.report(
+                        self.progress_line(state, plan, passes_total, epoch, started, deadline)
+                    )
+                if state.why == "finished":
+                    if now >= deadline:
+                        state.why = "time"
+                    elif self.should_stop():
+                        state.why = "stopped"
+                if state.why != "finished":
+                    break
+        if state.pending:
+            # The leftover gradient of a partial accumulation is applied, not thrown away.
+            self.optimizer_step(state, scheduler)
+        if not state.checks or state.checks[-1]["step"] != state.steps:
+            self.validate(val, state)
+        self.save("last", state)
+        if state.best_step is None:
+            self.save("best", state)
+        self.report(self.progress_line(state, plan, passes_total, epoch, started, deadline))
+        minutes = (self.clock() - started) / 60
+        self.report(f"training stopped ({state.why}) after {state.steps} steps, {minutes:.1f} min")
+        return {
+            "steps": state.steps,
+            "planned_steps": plan.total,
+            "replanned_from": plan.replanned_from,
+            "turn_passes": state.turn_passes,
+            "turns_trained": len(state.seen),
+            "epochs_done": round(state.turn_passes / len(examples), 3),
+            "shortened": shortened,
+            "skipped_nan": state.skipped_nan,
+            "mean_loss": sum(state.losses) / len(state.losses) if state.losses else None,
+            "best_val_loss": state.best_val if math.isfinite(state.best_val) else None,
+            "best_step": state.best_step,
+            "checks": state.checks,
+            "why": state.why,
+            "minutes": round(minutes, 2),
+            "final_lr": self.optimizer.param_groups[0]["lr"],
+            "best": str(self.out / "best"),
+            "last": str(self.out / "last"),
+            "threads": self.threads,
+        }

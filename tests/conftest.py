@@ -1,0 +1,32 @@
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    from gbray.data.synth import SynthSettings, write_corpus
+
+    out = tmp_path_factory.mktemp("corpus")
+    write_corpus(SynthSettings(out=out, turns=800, eval_turns=150, seed=7, prompt_tokens=200))
+    return out
+
+
+@pytest.fixture(scope="session")
+def raw_student(corpus, tmp_path_factory) -> Path:
+    """The tiny shape with random weights (no pre-training): for unit tests of the machinery."""
+    from gbray.student import StudentSettings, build_student
+
+    out = tmp_path_factory.mktemp("student")
+    build_student(StudentSettings(data=corpus, out=out, pretrain_seconds=0, vocab=600))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tokenizer(raw_student):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(raw_student)
