@@ -12,7 +12,15 @@ import ray
 
 def _progress_sink(log_path: str):
     """report(line): to this process's log (Ray forwards it to the driver) and to progress.log."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
     logging.basicConfig(level=logging.INFO, format="%(message)s", force=True)
+    hf_logging.disable_progress_bar()
+    warnings.filterwarnings(
+        "ignore", category=FutureWarning
+    )  # deprecations inside peft/transformers
     logger = logging.getLogger("gbray.progress")
 
     def report(line: str) -> None:

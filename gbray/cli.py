@@ -105,15 +105,15 @@ def cmd_round(args) -> int:
 def per_tool_table(baseline: dict | None, result: dict | None) -> str:
     tools = list((result or baseline or {}).get("per_tool", {}))
     lines = [f"{'tool':<16}{'before':>10}{'after':>10}  most often answered instead (after)"]
+
+    def cell(exam, tool):
+        row = (exam or {}).get("per_tool", {}).get(tool)
+        return f"{row['right']}/{row['asked']}" if row else "-"
+
     for tool in tools:
-
-        def cell(exam):
-            row = (exam or {}).get("per_tool", {}).get(tool)
-            return f"{row['right']}/{row['asked']}" if row else "-"
-
         instead = ((result or {}).get("per_tool", {}).get(tool) or {}).get("instead", {})
         top = ", ".join(f"{k} {v}" for k, v in list(instead.items())[:2])
-        lines.append(f"{tool:<16}{cell(baseline):>10}{cell(result):>10}  {top}")
+        lines.append(f"{tool:<16}{cell(baseline, tool):>10}{cell(result, tool):>10}  {top}")
     return "\n".join(lines)
 
 

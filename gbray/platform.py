@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform as _platform
 import socket
@@ -24,10 +25,8 @@ def prepare_torch_import() -> None:
     if spec and spec.origin:
         dll = Path(spec.origin).parent / "lib" / "c10.dll"
         if dll.exists():
-            try:
+            with contextlib.suppress(OSError):
                 ctypes.WinDLL(str(dll))
-            except OSError:
-                pass
 
 
 def set_threads(threads: int) -> int:

@@ -55,8 +55,7 @@ def validation_positions(train: TurnIndex, slice_: list[int], want: int, seed: i
     return rest[:want]
 
 
-def local_work(data: Path, recipe: Recipe) -> Work:
-    train, evaluation = index_folder(data)
+def local_work(data: Path, train: TurnIndex, evaluation: TurnIndex, recipe: Recipe) -> Work:
     paper, paper_id = paper_of(evaluation, recipe.exam_turns)
     want = min(recipe.turns, len(train) - min(recipe.val_turns, len(train) // 5))
     picked = draw(train.tools, train.tiers, want, seed=recipe.seed)
@@ -153,16 +152,18 @@ def run_round(settings: RoundSettings) -> dict:
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / "progress.log"
-    work_recipe = settings.recipe.resolve("cpu")  # exam size and slice before Ray tells the device
+    # Bad data ends the round before anything starts: indexing reads raw lines only.
+    train, evaluation = index_folder(Path(settings.data))
+    seed = settings.recipe.resolve("cpu").seed
     ray = _start_ray(settings.address)
     device = _device(ray, settings.recipe)
     recipe = dataclasses.replace(
         settings.recipe.resolve(device),
-        seed=work_recipe.seed,
+        seed=seed,
         threads=_actor_cpus(ray, settings.recipe),
     )
     (out / "recipe.json").write_text(json.dumps(as_record(recipe), indent=2))
-    work = local_work(Path(settings.data), recipe)
+    work = local_work(Path(settings.data), train, evaluation, recipe)
     model = str(Path(settings.model).resolve())
     start_name = settings.adapter or "bare"
     record: dict = {

@@ -57,17 +57,22 @@ def planned_steps(turns: int, recipe: Recipe) -> int:
 
 
 def replan(
-    plan: Plan, steps_done: int, seconds_per_step: float, seconds_left: float, recipe: Recipe
+    plan: Plan,
+    data_total: int,
+    steps_done: int,
+    seconds_per_step: float,
+    seconds_left: float,
+    recipe: Recipe,
 ) -> Plan:
-    """Shrink the schedule to the steps the remaining time allows; never grow it."""
+    """Fit the schedule to the steps the remaining time allows, never past what the data plans."""
     fit = steps_done + max(0, int(seconds_left / max(seconds_per_step, 1e-9)))
-    if fit >= plan.total:
+    total = max(steps_done + 1, min(data_total, fit))
+    if total == plan.total:
         return plan
-    total = max(steps_done + 1, fit)
     return Plan(
         total=total,
         warmup=math.ceil(recipe.warmup * total),
-        replanned_from=plan.replanned_from or plan.total,
+        replanned_from=plan.replanned_from or data_total,
     )
 
 
@@ -77,6 +82,19 @@ def _memory_gb(device: str) -> float:
     import psutil
 
     return psutil.Process().memory_info().rss / 1e9
+
+
+@dataclass
+class Timing:
+    started: float
+    deadline: float
+    data_total: int
+    speed_from: float = 0.0
+    last_val: float = 0.0
+    last_save: float = 0.0
+
+    def __post_init__(self):
+        self.speed_from = self.last_val = self.last_save = self.started
 
 
 @dataclass
@@ -246,6 +264,38 @@ class Trainer:
             f" · {minutes_in:.0f} min in, about {max(0.0, left):.0f} min left, {_memory_gb(self.device):.1f} GB"
         )
 
+    def _maybe_validate(self, val: list[Example], state: TrainState, timing: Timing) -> bool:
+        recipe = self.recipe
+        due_by_time = (
+            recipe.val_every_minutes
+            and self.clock() - timing.last_val >= recipe.val_every_minutes * 60
+        )
+        due_by_steps = recipe.val_every_steps and state.steps % recipe.val_every_steps == 0
+        if not (due_by_time or due_by_steps):
+            return False
+        self.validate(val, state)
+        timing.last_val = self.clock()
+        if state.checks_without_gain >= recipe.patience:
+            state.why = "patience"
+        return True
+
+    def _replan(self, plan: Plan, scheduler, state: TrainState, timing: Timing):
+        per_step = (self.clock() - timing.speed_from) / max(1, state.steps - 1)
+        new = replan(
+            plan,
+            timing.data_total,
+            state.steps,
+            per_step,
+            timing.deadline - self.clock(),
+            self.recipe,
+        )
+        if new is plan:
+            return plan, scheduler
+        self.report(
+            f"re-planned: {new.total} steps fit the time left (was {plan.total}), warm-up {new.warmup}"
+        )
+        return new, make_scheduler(self.optimizer, new, self.recipe, done=state.steps)
+
     # -- the loop -----------------------------------------------------------------------------
 
     def train(self, train_turns: list[dict], val_turns: list[dict]) -> dict:
@@ -259,8 +309,8 @@ class Trainer:
         if not examples:
             raise ValueError("no turns to train on")
         passes_total = math.ceil(len(examples) * recipe.epochs)
-        plan = Plan(total=planned_steps(len(examples), recipe), warmup=0)
-        plan.warmup = math.ceil(recipe.warmup * plan.total)
+        data_total = planned_steps(len(examples), recipe)
+        plan = Plan(total=data_total, warmup=math.ceil(recipe.warmup * data_total))
         scheduler = make_scheduler(self.optimizer, plan, recipe, done=0)
         state = TrainState()
         self.report(
@@ -269,9 +319,9 @@ class Trainer:
             f"{self.threads} threads on {self.device}"
         )
         rng = random.Random(recipe.seed)
-        last_val = last_save = last_note = self.clock()
+        timing = Timing(started=started, deadline=deadline, data_total=data_total)
+        last_note = self.clock()
         first_note_done = False
-        loop_started = self.clock()
         epoch = 0
         while state.turn_passes < passes_total and state.why == "finished":
             epoch += 1
@@ -287,38 +337,21 @@ class Trainer:
                 state.seen.update(chunk)
                 if state.micro % recipe.accum == 0:
                     self.optimizer_step(state, scheduler)
+                    if state.steps == 1:
+                        # The first step carries start-up costs; speed is measured from its end.
+                        timing.speed_from = self.clock()
+                    validated = self._maybe_validate(val, state, timing)
+                    if state.steps == REPLAN_AFTER_STEPS or (
+                        validated and state.steps > REPLAN_AFTER_STEPS
+                    ):
+                        plan, scheduler = self._replan(plan, scheduler, state, timing)
                     if state.steps >= plan.total:
-                        # Past the plan (faster than predicted): hold the floor instead of letting
-                        # the cosine climb back.
+                        # Faster than predicted: hold the floor instead of letting the cosine climb back.
                         for group in self.optimizer.param_groups:
                             group["lr"] = recipe.lr * recipe.min_lr_ratio
-                    if state.steps == REPLAN_AFTER_STEPS:
-                        per_step = (self.clock() - loop_started) / state.steps
-                        new = replan(plan, state.steps, per_step, deadline - self.clock(), recipe)
-                        if new is not plan:
-                            self.report(
-                                f"re-planned: {new.total} steps fit the time left "
-                                f"(planned {plan.total}), warm-up {new.warmup}"
-                            )
-                            plan = new
-                            scheduler = make_scheduler(
-                                self.optimizer, plan, recipe, done=state.steps
-                            )
-                    due_by_time = (
-                        recipe.val_every_minutes
-                        and self.clock() - last_val >= recipe.val_every_minutes * 60
-                    )
-                    due_by_steps = (
-                        recipe.val_every_steps and state.steps % recipe.val_every_steps == 0
-                    )
-                    if due_by_time or due_by_steps:
-                        self.validate(val, state)
-                        last_val = self.clock()
-                        if state.checks_without_gain >= recipe.patience:
-                            state.why = "patience"
-                    if self.clock() - last_save >= recipe.last_every_minutes * 60:
+                    if self.clock() - timing.last_save >= recipe.last_every_minutes * 60:
                         self.save("last", state)
-                        last_save = self.clock()
+                        timing.last_save = self.clock()
                 now = self.clock()
                 if (
                     not first_note_done and state.turn_passes >= min(4, passes_total)

@@ -79,7 +79,7 @@ def test_head_only_loss_equals_the_models_own_loss(lora_student):
         {
             "system": "Tools: open, read",
             "user": f"page {i} " * (5 + 7 * i),
-            "answer": '{"tool":"open","args":{"n":%d}}' % i,
+            "answer": '{"tool":"open","args":{"n":' + str(i) + "}}",
             "tool": "open",
         }
         for i in range(3)

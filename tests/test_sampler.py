@@ -48,7 +48,9 @@ def test_gold_before_silver():
     for i in picked:
         by_tool.setdefault(tools[i], []).append(tiers[i])
     for tool, got in by_tool.items():
-        gold_available = sum(1 for t, tier in zip(tools, tiers) if t == tool and tier == "gold")
+        gold_available = sum(
+            1 for t, tier in zip(tools, tiers, strict=False) if t == tool and tier == "gold"
+        )
         assert got.count("gold") == min(len(got), gold_available), tool
 
 

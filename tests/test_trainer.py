@@ -48,7 +48,7 @@ def test_replan_ends_the_cosine_at_the_floor():
         lrs.append(opt.param_groups[0]["lr"])
         if step == 5:
             # 5 steps took 10 s each and 1150 s are left: 115 more fit, not 595.
-            new = replan(plan, 5, 10.0, 1150.0, r)
+            new = replan(plan, 600, 5, 10.0, 1150.0, r)
             assert new.total == 120 and new.warmup == 6 and new.replanned_from == 600
             plan = new
             sched = make_scheduler(opt, plan, r, done=5)
@@ -56,10 +56,14 @@ def test_replan_ends_the_cosine_at_the_floor():
     assert max(lrs) == pytest.approx(r.lr, rel=0.02)  # it did leave its warm-up
 
 
-def test_replan_never_grows_the_plan():
+def test_replan_never_goes_past_the_data_plan():
     r = recipe()
     plan = Plan(total=50, warmup=3)
-    assert replan(plan, 5, 1.0, 10_000.0, r) is plan
+    assert replan(plan, 50, 5, 1.0, 10_000.0, r) is plan
+    shrunk = replan(plan, 50, 5, 1.0, 20.0, r)
+    assert shrunk.total == 25
+    # Faster than the first estimate: it grows back, but never past the data's 50.
+    assert replan(shrunk, 50, 10, 1.0, 10_000.0, r).total == 50
 
 
 def test_planned_steps_counts_accumulation():

@@ -1,0 +1,110 @@
+"""A whole round on real Ray, on a corpus the defaults never saw (other tools, other wording,
+other lengths), with a briefly pre-trained tiny student. Slow: about four minutes."""
+
+import json
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow
+
+BUDGET_MINUTES = 2.0
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def unseen(tmp_path_factory):
+    from gbray.data.synth import SynthSettings, write_corpus
+    from gbray.student import StudentSettings, build_student
+
+    root = tmp_path_factory.mktemp("unseen")
+    write_corpus(SynthSettings(out=root / "data", turns=2500, eval_turns=300, seed=11, prompt_tokens=180,
+                               tools=14, wording="alt"))
+    # A bad line of each kind: counted, never fatal.
+    with open(root / "data" / "train.jsonl", "a") as f:
+        f.write("not json at all\n{\"job\": \"x\", \"messages\": []}\n")
+    build_student(StudentSettings(data=root / "data", out=root / "student", pretrain_seconds=50, vocab=1024))
+    return root
+
+
+@pytest.fixture(scope="module")
+def finished_round(ray_local, unseen):
+    from gbray.round import run_round
+    from gbray.settings import Recipe, RoundSettings
+
+    recipe = Recipe(hours=BUDGET_MINUTES / 60, epochs=10, turns=2000, lr=3e-3, batch=8, accum=1, lora_r=32,
+                    lora_alpha=64, max_len=768, val_every_minutes=0.4, exam_turns=100, seed=3,
+                    progress_every_minutes=0.5, gradient_checkpointing=False)
+    out = unseen / "round"
+    started = time.monotonic()
+    record = run_round(RoundSettings(data=unseen / "data", model=str(unseen / "student"), out=out, recipe=recipe))
+    return record, out, time.monotonic() - started
+
+
+def test_round_json_is_complete(finished_round):
+    record, out, _ = finished_round
+    on_disk = json.loads((out / "round.json").read_text())
+    assert on_disk["round"] == record["round"]
+    for key in ("round", "device", "student", "carried_from", "draw_seed", "recipe", "steps", "best_val_loss",
+                "best_step", "turns_trained", "training_minutes", "why", "mean_loss", "baseline", "result",
+                "adapter", "beat", "trainer_pid", "exam_pids", "driver", "trainer_process", "paper"):
+        assert key in on_disk, key
+    assert on_disk["status"] == "ended"
+    assert on_disk["bad_lines"]["train"]["total"] == 2
+    assert on_disk["result"]["per_tool"] and on_disk["baseline"]["per_tool"]
+    assert on_disk["paper"]["turns"] == 100
+    assert json.loads((out / "recipe.json").read_text())["lr"] == 3e-3
+
+
+def test_result_beats_baseline_on_an_unseen_corpus(finished_round):
+    record, _, _ = finished_round
+    assert record["beat"], (record["baseline"]["agreement"], record["result"]["agreement"])
+    assert record["result"]["agreement"] > record["baseline"]["agreement"]
+
+
+def test_exams_run_in_their_own_processes_and_end(finished_round):
+    record, _, _ = finished_round
+    assert len(record["exam_pids"]) == 2
+    assert record["trainer_pid"] not in record["exam_pids"]
+    assert len(set(record["exam_pids"])) == 2
+    deadline = time.monotonic() + 20
+    while any(psutil.pid_exists(p) for p in record["exam_pids"]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not any(psutil.pid_exists(p) for p in record["exam_pids"]), "an examiner outlived its exam"
+
+
+def test_short_budget_stops_on_time_then_examines(finished_round):
+    record, _, _ = finished_round
+    assert record["why"] == "time"  # ten epochs planned, two minutes given
+    assert record["epochs_done"] < 10
+    # Within one optimizer step plus one validation (each well under ten seconds here).
+    assert record["training_minutes"] <= BUDGET_MINUTES + 10 / 60
+    assert record["result"] is not None
+
+
+def test_adapter_is_peft_format_and_loads(finished_round):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    record, _, _ = finished_round
+    adapter = Path(record["adapter"])
+    assert (adapter / "adapter_config.json").is_file() and (adapter / "adapter_model.safetensors").is_file()
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(record["student"]), str(adapter))
+    assert any("lora_" in n for n, _ in model.named_parameters())
+
+
+def test_process_record_holds_no_secrets(finished_round):
+    record, _, _ = finished_round
+    for proc in (record["driver"], record["trainer_process"]):
+        assert proc["interpreter"] and proc["pid"]
+        assert not [k for k in proc["environment"] if "TOKEN" in k.upper() or "KEY" in k.upper()]
