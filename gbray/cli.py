@@ -175,6 +175,105 @@ def cmd_demo(args) -> int:
     return 0 if record["status"] == "ended" else 1
 
 
+def cmd_hub_serve(args) -> int:
+    from gbray.hub.server import HubSettings, serve
+
+    serve(
+        HubSettings(
+            db=args.db,
+            store=args.store,
+            host=args.host,
+            port=args.port,
+            claim_timeout=args.claim_timeout,
+            size_limit=args.size_limit_mb * 1024 * 1024,
+        )
+    )
+    return 0
+
+
+def cmd_hub_load(args) -> int:
+    from gbray.hub.store import Store
+
+    for path in (args.train, args.eval):
+        if not path.is_file():
+            raise DataError(f"{path} does not exist")
+    counts = Store(args.db).load(args.train, args.eval)
+    if counts["train"] == 0 or counts["eval"] == 0:
+        raise DataError(
+            f"nothing usable loaded: {counts['train']} train, {counts['eval']} eval turns"
+        )
+    print(json.dumps(counts))
+    return 0
+
+
+def cmd_hub_token(args) -> int:
+    from gbray.hub.store import Store
+
+    token = Store(args.db).add_token(args.name, owner=args.owner)
+    print(token)
+    return 0
+
+
+def cmd_hub_promote(args) -> int:
+    import requests
+
+    r = requests.post(
+        f"{args.hub.rstrip('/')}/v1/training/rounds/{args.id}/promote",
+        headers={"Authorization": f"Bearer {args.token}"},
+        timeout=30,
+    )
+    print(json.dumps({"status": r.status_code, **r.json()}))
+    return 0 if r.ok else 1
+
+
+def add_hub_parser(verbs) -> None:
+    hub = verbs.add_parser("hub", help="run and administer a hub").add_subparsers(
+        dest="hub_verb", required=True, metavar="HUB_VERB"
+    )
+    p = hub.add_parser("serve", help="serve the hub (HTTP API, status page at /, OpenAPI at /docs)")
+    p.add_argument("--db", type=Path, required=True, help="SQLite file (created if missing)")
+    p.add_argument(
+        "--store", type=Path, required=True, help="folder for adapters (created if missing)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="(default %(default)s)")
+    p.add_argument("--port", type=int, default=8600, help="(default %(default)s)")
+    p.add_argument(
+        "--claim-timeout",
+        type=float,
+        default=600.0,
+        help="seconds of silence after which a baseline claim passes on (default %(default)s)",
+    )
+    p.add_argument(
+        "--size-limit-mb",
+        type=int,
+        default=512,
+        help="largest adapter accepted (default %(default)s)",
+    )
+    p.set_defaults(func=cmd_hub_serve)
+    p = hub.add_parser(
+        "load", help="load a corpus into the hub's database (the paper is cut by job)"
+    )
+    p.add_argument("--db", type=Path, required=True)
+    p.add_argument("--train", type=Path, required=True, help="train.jsonl")
+    p.add_argument(
+        "--eval", type=Path, required=True, help="eval.jsonl (its jobs are kept out of training)"
+    )
+    p.set_defaults(func=cmd_hub_load)
+    p = hub.add_parser("token", help="tokens").add_subparsers(
+        dest="token_verb", required=True, metavar="add"
+    )
+    p = p.add_parser("add", help="print a new token (stored hashed)")
+    p.add_argument("name")
+    p.add_argument("--owner", action="store_true", help="may also stop and promote")
+    p.add_argument("--db", type=Path, required=True)
+    p.set_defaults(func=cmd_hub_token)
+    p = hub.add_parser("promote", help="ask the hub to put a round's adapter into service")
+    p.add_argument("id", help="round id")
+    p.add_argument("--hub", required=True, help="hub URL")
+    p.add_argument("--token", required=True, help="an owner token")
+    p.set_defaults(func=cmd_hub_promote)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gbray",
@@ -256,6 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads", type=int, default=0, help="torch threads; 0: all CPUs (default %(default)s)"
     )
     p.set_defaults(func=cmd_student)
+
+    add_hub_parser(verbs)
 
     p = verbs.add_parser(
         "round",

@@ -33,8 +33,17 @@ def test_bad_data_folder_is_one_line_and_non_zero(tmp_path, raw_student, case):
         (data / "eval.jsonl").mkdir()
     if case == "no-eval":
         (data / "train.jsonl").write_text("{}\n")
-    out = run("round", "--data", str(data), "--model", str(raw_student), "--out", str(tmp_path / "o"),
-              "--hours", "0.01")
+    out = run(
+        "round",
+        "--data",
+        str(data),
+        "--model",
+        str(raw_student),
+        "--out",
+        str(tmp_path / "o"),
+        "--hours",
+        "0.01",
+    )
     assert out.returncode != 0
     assert "Traceback" not in out.stderr
     errors = [line for line in out.stderr.splitlines() if line.startswith("gbray: error:")]
@@ -42,7 +51,17 @@ def test_bad_data_folder_is_one_line_and_non_zero(tmp_path, raw_student, case):
 
 
 def test_synth_cuts_by_job(tmp_path):
-    out = run("synth", "--out", str(tmp_path), "--turns", "300", "--eval-turns", "60", "--prompt-tokens", "120")
+    out = run(
+        "synth",
+        "--out",
+        str(tmp_path),
+        "--turns",
+        "300",
+        "--eval-turns",
+        "60",
+        "--prompt-tokens",
+        "120",
+    )
     assert out.returncode == 0, out.stderr
     jobs = {}
     for name in ("train", "eval"):

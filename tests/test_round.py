@@ -28,12 +28,23 @@ def unseen(tmp_path_factory):
     from gbray.student import StudentSettings, build_student
 
     root = tmp_path_factory.mktemp("unseen")
-    write_corpus(SynthSettings(out=root / "data", turns=2500, eval_turns=300, seed=11, prompt_tokens=180,
-                               tools=14, wording="alt"))
+    write_corpus(
+        SynthSettings(
+            out=root / "data",
+            turns=2500,
+            eval_turns=300,
+            seed=11,
+            prompt_tokens=180,
+            tools=14,
+            wording="alt",
+        )
+    )
     # A bad line of each kind: counted, never fatal.
     with open(root / "data" / "train.jsonl", "a") as f:
-        f.write("not json at all\n{\"job\": \"x\", \"messages\": []}\n")
-    build_student(StudentSettings(data=root / "data", out=root / "student", pretrain_seconds=50, vocab=1024))
+        f.write('not json at all\n{"job": "x", "messages": []}\n')
+    build_student(
+        StudentSettings(data=root / "data", out=root / "student", pretrain_seconds=50, vocab=1024)
+    )
     return root
 
 
@@ -42,12 +53,27 @@ def finished_round(ray_local, unseen):
     from gbray.round import run_round
     from gbray.settings import Recipe, RoundSettings
 
-    recipe = Recipe(hours=BUDGET_MINUTES / 60, epochs=10, turns=2000, lr=3e-3, batch=8, accum=1, lora_r=32,
-                    lora_alpha=64, max_len=768, val_every_minutes=0.4, exam_turns=100, seed=3,
-                    progress_every_minutes=0.5, gradient_checkpointing=False)
+    recipe = Recipe(
+        hours=BUDGET_MINUTES / 60,
+        epochs=10,
+        turns=2000,
+        lr=3e-3,
+        batch=8,
+        accum=1,
+        lora_r=32,
+        lora_alpha=64,
+        max_len=768,
+        val_every_minutes=0.4,
+        exam_turns=100,
+        seed=3,
+        progress_every_minutes=0.5,
+        gradient_checkpointing=False,
+    )
     out = unseen / "round"
     started = time.monotonic()
-    record = run_round(RoundSettings(data=unseen / "data", model=str(unseen / "student"), out=out, recipe=recipe))
+    record = run_round(
+        RoundSettings(data=unseen / "data", model=str(unseen / "student"), out=out, recipe=recipe)
+    )
     return record, out, time.monotonic() - started
 
 
@@ -55,9 +81,30 @@ def test_round_json_is_complete(finished_round):
     record, out, _ = finished_round
     on_disk = json.loads((out / "round.json").read_text())
     assert on_disk["round"] == record["round"]
-    for key in ("round", "device", "student", "carried_from", "draw_seed", "recipe", "steps", "best_val_loss",
-                "best_step", "turns_trained", "training_minutes", "why", "mean_loss", "baseline", "result",
-                "adapter", "beat", "trainer_pid", "exam_pids", "driver", "trainer_process", "paper"):
+    for key in (
+        "round",
+        "device",
+        "student",
+        "carried_from",
+        "draw_seed",
+        "recipe",
+        "steps",
+        "best_val_loss",
+        "best_step",
+        "turns_trained",
+        "training_minutes",
+        "why",
+        "mean_loss",
+        "baseline",
+        "result",
+        "adapter",
+        "beat",
+        "trainer_pid",
+        "exam_pids",
+        "driver",
+        "trainer_process",
+        "paper",
+    ):
         assert key in on_disk, key
     assert on_disk["status"] == "ended"
     assert on_disk["bad_lines"]["train"]["total"] == 2
@@ -80,7 +127,9 @@ def test_exams_run_in_their_own_processes_and_end(finished_round):
     deadline = time.monotonic() + 20
     while any(psutil.pid_exists(p) for p in record["exam_pids"]) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not any(psutil.pid_exists(p) for p in record["exam_pids"]), "an examiner outlived its exam"
+    assert not any(psutil.pid_exists(p) for p in record["exam_pids"]), (
+        "an examiner outlived its exam"
+    )
 
 
 def test_short_budget_stops_on_time_then_examines(finished_round):
@@ -98,8 +147,12 @@ def test_adapter_is_peft_format_and_loads(finished_round):
 
     record, _, _ = finished_round
     adapter = Path(record["adapter"])
-    assert (adapter / "adapter_config.json").is_file() and (adapter / "adapter_model.safetensors").is_file()
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(record["student"]), str(adapter))
+    assert (adapter / "adapter_config.json").is_file() and (
+        adapter / "adapter_model.safetensors"
+    ).is_file()
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(record["student"]), str(adapter)
+    )
     assert any("lora_" in n for n, _ in model.named_parameters())
 
 

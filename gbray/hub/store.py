@@ -1,0 +1,397 @@
+"""The hub's SQLite store: corpus, rounds, notes, checks, baselines, tokens, serving.
+
+WAL, a busy timeout, every write in a transaction; a connection per call, so the server's worker
+threads never share one. Adapters live as files under the store folder; only their names are here.
+Imports nothing of torch: the hub runs on a machine without it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import sqlite3
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from gbray.data.sampler import draw
+from gbray.data.turns import BadLines, parse_turn, tool_of_raw_line
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS turns (
+    id INTEGER PRIMARY KEY, split TEXT NOT NULL, job TEXT, tool TEXT NOT NULL, tier TEXT NOT NULL,
+    line TEXT NOT NULL, taken_by TEXT, taken_at REAL);
+CREATE INDEX IF NOT EXISTS turns_split ON turns(split, taken_by);
+CREATE TABLE IF NOT EXISTS corpus (key TEXT PRIMARY KEY, value TEXT);
+CREATE TABLE IF NOT EXISTS tokens (name TEXT PRIMARY KEY, hash TEXT UNIQUE NOT NULL, owner INTEGER NOT NULL,
+    created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS rounds (
+    id TEXT PRIMARY KEY, device TEXT, base TEXT, turns INTEGER, recipe TEXT, status TEXT NOT NULL,
+    created REAL NOT NULL, updated REAL NOT NULL, ended REAL, baseline REAL, result REAL, adapter TEXT,
+    paper TEXT, why TEXT, trained INTEGER, draw_seed INTEGER, end_body TEXT, stop INTEGER DEFAULT 0);
+CREATE TABLE IF NOT EXISTS notes (seq INTEGER PRIMARY KEY AUTOINCREMENT, round TEXT NOT NULL, line TEXT,
+    at REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS notes_round ON notes(round, seq);
+CREATE TABLE IF NOT EXISTS checks (seq INTEGER PRIMARY KEY AUTOINCREMENT, round TEXT NOT NULL, step INTEGER,
+    turns INTEGER, val_loss REAL, train_loss REAL, best REAL, lr REAL, at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS baselines (
+    scope TEXT, base TEXT, paper TEXT, turns INTEGER, answer INTEGER, student TEXT, value REAL, by TEXT,
+    claimed REAL, PRIMARY KEY (scope, base, paper, turns, answer, student));
+CREATE TABLE IF NOT EXISTS serving (seq INTEGER PRIMARY KEY AUTOINCREMENT, round TEXT NOT NULL,
+    adapter TEXT NOT NULL, since REAL NOT NULL);
+"""
+
+
+class Conflict(Exception):
+    """A request the hub refuses with 409, with the reason."""
+
+
+class NotFound(Exception):
+    pass
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class Store:
+    def __init__(self, path: Path, claim_timeout: float = 600.0):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.claim_timeout = claim_timeout
+        with self.connect() as db:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.executescript(SCHEMA)
+
+    @contextmanager
+    def connect(self):
+        db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
+        db.row_factory = sqlite3.Row
+        db.execute("PRAGMA busy_timeout=30000")
+        try:
+            yield db
+        finally:
+            db.close()
+
+    @contextmanager
+    def transaction(self):
+        """BEGIN IMMEDIATE: concurrent writers queue up instead of interleaving."""
+        with self.connect() as db:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+
+    # -- tokens ---------------------------------------------------------------------------------
+
+    def add_token(self, name: str, owner: bool) -> str:
+        token = secrets.token_urlsafe(24)
+        with self.transaction() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO tokens VALUES (?, ?, ?, ?)",
+                (name, hash_token(token), int(owner), time.time()),
+            )
+        return token
+
+    def who(self, token: str) -> tuple[str, bool] | None:
+        with self.connect() as db:
+            row = db.execute(
+                "SELECT name, owner FROM tokens WHERE hash = ?", (hash_token(token),)
+            ).fetchone()
+        return (row["name"], bool(row["owner"])) if row else None
+
+    # -- corpus ---------------------------------------------------------------------------------
+
+    def load(self, train: Path, evaluation: Path) -> dict:
+        """Load a corpus; the eval file is cut by job from train (a job in both is kept in eval only)."""
+        bad = BadLines()
+        rows: dict[str, list] = {"train": [], "eval": []}
+        for split, path in (("eval", evaluation), ("train", train)):
+            with open(path, "rb") as f:
+                for number, raw in enumerate(f, start=1):
+                    if not raw.strip():
+                        continue
+                    turn = (
+                        parse_turn(raw, f"{path.name}:{number}", bad)
+                        if tool_of_raw_line(raw)
+                        else None
+                    )
+                    if turn is None:
+                        if not tool_of_raw_line(raw):
+                            bad.add("no tool", f"{path.name}:{number}")
+                        continue
+                    rows[split].append(
+                        (split, turn["job"], turn["tool"], turn["tier"], raw.decode().strip())
+                    )
+        eval_jobs = {r[1] for r in rows["eval"]}
+        dropped = sum(1 for r in rows["train"] if r[1] in eval_jobs)
+        rows["train"] = [r for r in rows["train"] if r[1] not in eval_jobs]
+        scope = (
+            "hub-"
+            + hashlib.sha256(json.dumps([r[4] for r in rows["eval"]]).encode()).hexdigest()[:12]
+        )
+        with self.transaction() as db:
+            db.execute("DELETE FROM turns")
+            db.executemany(
+                "INSERT INTO turns (split, job, tool, tier, line) VALUES (?, ?, ?, ?, ?)",
+                rows["eval"] + rows["train"],
+            )
+            db.execute("INSERT OR REPLACE INTO corpus VALUES ('scope', ?)", (scope,))
+        return {
+            "train": len(rows["train"]),
+            "eval": len(rows["eval"]),
+            "scope": scope,
+            "train_dropped_for_eval_jobs": dropped,
+            "bad_lines": bad.as_dict(),
+        }
+
+    def scope(self) -> str:
+        with self.connect() as db:
+            row = db.execute("SELECT value FROM corpus WHERE key = 'scope'").fetchone()
+        return row["value"] if row else "hub-empty"
+
+    def take_slice(self, want: int, device: str, seed: int) -> list[str]:
+        """Draw `want` untaken train turns with the shared sampler and mark them taken by device.
+        When too few are left, the corpus starts a new pass (every mark is cleared)."""
+        with self.transaction() as db:
+            rows = db.execute(
+                "SELECT id, tool, tier FROM turns WHERE split = 'train' AND taken_by IS NULL "
+                "ORDER BY id"
+            ).fetchall()
+            if len(rows) < want:
+                db.execute(
+                    "UPDATE turns SET taken_by = NULL, taken_at = NULL WHERE split = 'train'"
+                )
+                rows = db.execute(
+                    "SELECT id, tool, tier FROM turns WHERE split = 'train' ORDER BY id"
+                ).fetchall()
+            picked = draw([r["tool"] for r in rows], [r["tier"] for r in rows], want, seed=seed)
+            ids = [rows[i]["id"] for i in picked]
+            now = time.time()
+            db.executemany(
+                "UPDATE turns SET taken_by = ?, taken_at = ? WHERE id = ?",
+                [(device, now, i) for i in ids],
+            )
+            lines = {}
+            for chunk in range(0, len(ids), 500):
+                part = ids[chunk : chunk + 500]
+                marks = ",".join("?" * len(part))
+                for r in db.execute(f"SELECT id, line FROM turns WHERE id IN ({marks})", part):
+                    lines[r["id"]] = r["line"]
+        return [lines[i] for i in ids]
+
+    def paper(self, turns: int) -> tuple[list[str], str, str]:
+        with self.connect() as db:
+            lines = [
+                r["line"]
+                for r in db.execute(
+                    "SELECT line FROM turns WHERE split = 'eval' ORDER BY id LIMIT ?", (turns,)
+                )
+            ]
+        paper_id = "p-" + hashlib.sha256("\n".join(lines).encode()).hexdigest()[:12]
+        return lines, paper_id, self.scope()
+
+    def coverage(self) -> dict:
+        with self.connect() as db:
+            total = db.execute("SELECT COUNT(*) FROM turns WHERE split = 'train'").fetchone()[0]
+            taken = db.execute(
+                "SELECT COUNT(*) FROM turns WHERE split = 'train' AND taken_by IS NOT NULL"
+            ).fetchone()[0]
+            trained = db.execute(
+                "SELECT COALESCE(SUM(trained), 0) FROM rounds WHERE ended IS NOT NULL"
+            ).fetchone()[0]
+        # Counted from what rounds report they trained, not from what they were handed.
+        return {
+            "corpus": total,
+            "handed_out": taken,
+            "trained": min(trained, total) if total else trained,
+            "share": round(trained / total, 4) if total else 0.0,
+        }
+
+    # -- rounds ---------------------------------------------------------------------------------
+
+    def register(self, device: str, base: str, turns: int, recipe: dict) -> str:
+        round_id = time.strftime("r%Y%m%d-%H%M%S-") + secrets.token_hex(3)
+        now = time.time()
+        with self.transaction() as db:
+            db.execute(
+                "INSERT INTO rounds (id, device, base, turns, recipe, status, created, updated) "
+                "VALUES (?, ?, ?, ?, ?, 'running', ?, ?)",
+                (round_id, device, base, turns, json.dumps(recipe), now, now),
+            )
+        return round_id
+
+    def _touch(self, db, round_id: str) -> bool:
+        """Mark the round alive; returns whether the owner asked it to stop."""
+        row = db.execute("SELECT stop FROM rounds WHERE id = ?", (round_id,)).fetchone()
+        if row is None:
+            raise NotFound(f"no round {round_id}")
+        db.execute("UPDATE rounds SET updated = ? WHERE id = ?", (time.time(), round_id))
+        return bool(row["stop"])
+
+    def note(self, round_id: str, line: str) -> bool:
+        with self.transaction() as db:
+            stop = self._touch(db, round_id)
+            db.execute(
+                "INSERT INTO notes (round, line, at) VALUES (?, ?, ?)",
+                (round_id, line, time.time()),
+            )
+        return stop
+
+    def check(self, round_id: str, point: dict) -> bool:
+        with self.transaction() as db:
+            stop = self._touch(db, round_id)
+            db.execute(
+                "INSERT INTO checks (round, step, turns, val_loss, train_loss, best, lr, at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    round_id,
+                    point.get("step"),
+                    point.get("turns"),
+                    point.get("valLoss"),
+                    point.get("trainLoss"),
+                    point.get("best"),
+                    point.get("lr"),
+                    time.time(),
+                ),
+            )
+        return stop
+
+    def stopping(self, round_id: str) -> bool:
+        with self.transaction() as db:
+            return self._touch(db, round_id)
+
+    def end(self, round_id: str, body: dict) -> None:
+        def number(value):
+            if isinstance(value, dict):
+                value = value.get("agreement")
+            return float(value) if isinstance(value, int | float) else None
+
+        with self.transaction() as db:
+            self._touch(db, round_id)
+            db.execute(
+                "UPDATE rounds SET status = ?, ended = ?, baseline = ?, result = ?, adapter = ?, paper = ?,"
+                " why = ?, trained = ?, draw_seed = ?, end_body = ? WHERE id = ?",
+                (
+                    body.get("status", "ended"),
+                    time.time(),
+                    number(body.get("baseline")),
+                    number(body.get("result")),
+                    body.get("adapter"),
+                    body.get("paper"),
+                    body.get("why"),
+                    int(body.get("trained") or 0),
+                    body.get("drawSeed"),
+                    json.dumps(body),
+                    round_id,
+                ),
+            )
+
+    def request_stop(self, round_id: str) -> None:
+        with self.transaction() as db:
+            if db.execute("UPDATE rounds SET stop = 1 WHERE id = ?", (round_id,)).rowcount == 0:
+                raise NotFound(f"no round {round_id}")
+
+    def round(self, round_id: str) -> dict:
+        with self.connect() as db:
+            row = db.execute("SELECT * FROM rounds WHERE id = ?", (round_id,)).fetchone()
+            if row is None:
+                raise NotFound(f"no round {round_id}")
+            out = dict(row)
+            out["recipe"] = json.loads(out["recipe"] or "{}")
+            out["end_body"] = json.loads(out["end_body"]) if out["end_body"] else None
+            out["notes"] = [
+                dict(r)
+                for r in db.execute(
+                    "SELECT seq, line, at FROM notes WHERE round = ? ORDER BY seq", (round_id,)
+                )
+            ]
+            out["checks"] = [
+                dict(r)
+                for r in db.execute(
+                    "SELECT step, turns, val_loss AS valLoss, train_loss AS trainLoss, best, lr, at FROM checks "
+                    "WHERE round = ? ORDER BY seq",
+                    (round_id,),
+                )
+            ]
+        return out
+
+    def state(self) -> dict:
+        with self.connect() as db:
+            rounds = [
+                dict(r)
+                for r in db.execute(
+                    "SELECT id, device, base, turns, status, created, updated, ended, baseline, result, adapter, "
+                    "paper, why, trained, stop, json_extract(recipe, '$.student') AS student FROM rounds "
+                    "ORDER BY created DESC"
+                )
+            ]
+        return {"rounds": rounds, "coverage": self.coverage(), "serving": self.serving()}
+
+    # -- baselines ------------------------------------------------------------------------------
+
+    def _device_alive(self, db, device: str, since: float) -> bool:
+        row = db.execute("SELECT MAX(updated) FROM rounds WHERE device = ?", (device,)).fetchone()
+        return max(row[0] or 0.0, since) > time.time() - self.claim_timeout
+
+    def ask_baseline(self, key: tuple, device: str) -> dict:
+        """Known: the number. Unknown and unclaimed (or its claimant went silent): the asker measures.
+        Claimed by a live device: that device measures; train at once and read it at the end."""
+        with self.transaction() as db:
+            row = db.execute(
+                "SELECT value, by, claimed FROM baselines WHERE scope = ? AND base = ? AND paper = ? "
+                "AND turns = ? AND answer = ? AND student = ?",
+                key,
+            ).fetchone()
+            if row and row["value"] is not None:
+                return {"known": True, "baseline": row["value"], "measure": False, "by": row["by"]}
+            if row and row["by"] != device and self._device_alive(db, row["by"], row["claimed"]):
+                return {"known": False, "baseline": None, "measure": False, "by": row["by"]}
+            db.execute(
+                "INSERT OR REPLACE INTO baselines VALUES (?, ?, ?, ?, ?, ?, NULL, ?, ?)",
+                (*key, device, time.time()),
+            )
+            return {"known": False, "baseline": None, "measure": True, "by": device}
+
+    def tell_baseline(self, key: tuple, value: float, device: str) -> None:
+        with self.transaction() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO baselines VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (*key, float(value), device, time.time()),
+            )
+
+    # -- promotion ------------------------------------------------------------------------------
+
+    def promote(self, round_id: str, adapter_name: str, adapter_exists: bool) -> dict:
+        with self.transaction() as db:
+            row = db.execute("SELECT * FROM rounds WHERE id = ?", (round_id,)).fetchone()
+            if row is None:
+                raise NotFound(f"no round {round_id}")
+            if row["ended"] is None or row["status"] != "ended":
+                raise Conflict(f"round {round_id} has not ended (status {row['status']})")
+            if row["baseline"] is None or row["result"] is None or not row["paper"]:
+                raise Conflict(f"round {round_id} reported no baseline and result on one paper")
+            if not row["result"] > row["baseline"]:
+                raise Conflict(
+                    f"round {round_id} did not beat its baseline on paper {row['paper']}: "
+                    f"{row['result']:.1f} vs {row['baseline']:.1f}"
+                )
+            if not adapter_exists:
+                raise Conflict(f"round {round_id} has no adapter on the hub")
+            db.execute(
+                "INSERT INTO serving (round, adapter, since) VALUES (?, ?, ?)",
+                (round_id, adapter_name, time.time()),
+            )
+        return self.serving()
+
+    def serving(self) -> dict | None:
+        with self.connect() as db:
+            row = db.execute(
+                "SELECT s.round, s.adapter, s.since, r.baseline, r.result, r.paper FROM serving s "
+                "JOIN rounds r ON r.id = s.round ORDER BY s.seq DESC LIMIT 1"
+            ).fetchone()
+        return dict(row) if row else None

@@ -1,0 +1,68 @@
+"""A real hub server in a subprocess on 127.0.0.1, with a real SQLite file."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class HubProcess:
+    def __init__(self, root: Path, *extra: str):
+        self.root = Path(root)
+        self.db, self.store = self.root / "hub.db", self.root / "store"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.extra = extra
+        self.proc = None
+        from gbray.hub.store import Store
+
+        store = Store(self.db)
+        self.owner = store.add_token("owner", owner=True)
+        self.device = store.add_token("laptop", owner=False)
+
+    def start(self) -> "HubProcess":
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gbray.cli",
+                "hub",
+                "serve",
+                "--db",
+                str(self.db),
+                "--store",
+                str(self.store),
+                "--port",
+                str(self.port),
+                *self.extra,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.root / "hub.log", "ab"),
+            env={**os.environ},
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if requests.get(self.url + "/docs", timeout=1).ok:
+                    return self
+            except requests.RequestException:
+                time.sleep(0.2)
+        raise RuntimeError("hub did not start: " + (self.root / "hub.log").read_text()[-2000:])
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=15)
+
+    def headers(self, who: str = "device") -> dict:
+        return {"Authorization": f"Bearer {self.owner if who == 'owner' else self.device}"}
