@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -92,14 +93,37 @@ def cmd_student(args) -> int:
     return 0
 
 
+def _round_settings(args) -> RoundSettings:
+    recipe = from_args(Recipe, args)
+    token = args.token or os.environ.get("GBRAY_TOKEN")
+    return from_args(RoundSettings, args, recipe=recipe, token=token)
+
+
+def cmd_trial(args) -> int:
+    from gbray.round import run_trial
+
+    record = run_trial(_round_settings(args))
+    result = record["result"]
+    print(
+        json.dumps(
+            {
+                "trial_json": str(args.out / "trial.json"),
+                "candidate": record["candidate"],
+                "paper": record["paper"]["id"],
+                "agreement": result["agreement"] if result else None,
+            }
+        )
+    )
+    return 0 if result is not None else 1
+
+
 def cmd_round(args) -> int:
     from gbray.round import run_round, summary_line
 
-    recipe = from_args(Recipe, args)
-    settings = from_args(RoundSettings, args, recipe=recipe)
+    settings = _round_settings(args)
     record = run_round(settings)
     print(json.dumps(summary_line(record, settings.out)))
-    return 0 if record["status"] == "ended" else 1
+    return 0 if record["status"] in ("ended", "stopped") else 1
 
 
 def per_tool_table(baseline: dict | None, result: dict | None) -> str:
@@ -117,7 +141,26 @@ def per_tool_table(baseline: dict | None, result: dict | None) -> str:
     return "\n".join(lines)
 
 
+def start_demo_hub(root: Path, data: Path):
+    """A hub for the demo: a temporary folder, a free loopback port, the corpus loaded."""
+    from gbray.hub.server import EmbeddedHub, HubSettings, free_port
+    from gbray.hub.store import Store
+
+    store = Store(root / "hub.db")
+    store.load(data / "train.jsonl", data / "eval.jsonl")
+    owner, device = (
+        store.add_token("demo-owner", owner=True),
+        store.add_token("demo-laptop", owner=False),
+    )
+    hub = EmbeddedHub(
+        HubSettings(db=root / "hub.db", store=root / "store", port=free_port())
+    ).start()
+    return hub, owner, device
+
+
 def cmd_demo(args) -> int:
+    import requests
+
     from gbray.data.synth import SynthSettings, write_corpus
     from gbray.round import run_round, summary_line
     from gbray.student import StudentSettings, build_student
@@ -130,47 +173,80 @@ def cmd_demo(args) -> int:
         SynthSettings(out=data, turns=4000, eval_turns=400, seed=args.seed, prompt_tokens=300)
     )
     print(
-        f"1/3 synthetic corpus: {counts['train']} train and {counts['eval']} eval turns, {counts['tools']} tools"
+        f"1/4 synthetic corpus: {counts['train']} train and {counts['eval']} eval turns, {counts['tools']} tools"
         f" -> {data}",
         flush=True,
     )
-    built = build_student(
-        StudentSettings(
-            data=data,
-            out=student,
-            size="tiny",
-            pretrain_seconds=args.pretrain_seconds,
-            seed=args.seed,
+    hub, owner, device = start_demo_hub(out / "hub", data)
+    print(
+        f"2/4 hub on {hub.url} with the corpus loaded; status page: {hub.url}/?token={owner}",
+        flush=True,
+    )
+    try:
+        built = build_student(
+            StudentSettings(
+                data=data,
+                out=student,
+                size="tiny",
+                pretrain_seconds=args.pretrain_seconds,
+                seed=args.seed,
+            )
         )
-    )
-    print(
-        f"2/3 tiny student: {built['parameters']:,} parameters, pre-trained "
-        f"{built['pretraining']['seconds']:.0f} s -> {student}",
-        flush=True,
-    )
-    recipe = dataclasses.replace(DEMO_RECIPE, hours=args.minutes / 60, seed=args.seed)
-    print(
-        f"3/3 a round of {args.minutes:g} min on local Ray (baseline exam, training, result exam)",
-        flush=True,
-    )
-    record = run_round(RoundSettings(data=data, model=str(student), out=round_out, recipe=recipe))
-    baseline, result = record.get("baseline"), record.get("result")
-    print()
-    print(per_tool_table(baseline, result))
-    print()
-    fmt = lambda e: f"{e['agreement']:.1f}% ({e['right']}/{e['turns']})" if e else "n/a"  # noqa: E731
-    print(
-        f"agreement on paper {record['paper']['id']} ({record['paper']['turns']} turns): "
-        f"before {fmt(baseline)}, after {fmt(result)}; beat the baseline: {record['beat']}"
-    )
-    print(
-        f"training: {record.get('steps')} steps, {record.get('turns_trained')} turns, "
-        f"stopped by {record.get('why')}, best validation loss {record.get('best_val_loss')}"
-    )
-    print(
-        f"round.json: {round_out / 'round.json'}\nadapter:    {record.get('adapter')}\n"
-        f"progress:   {record['progress_log']}\ntook {(time.time() - began) / 60:.1f} min"
-    )
+        print(
+            f"3/4 tiny student: {built['parameters']:,} parameters, pre-trained "
+            f"{built['pretraining']['seconds']:.0f} s -> {student}",
+            flush=True,
+        )
+        recipe = dataclasses.replace(DEMO_RECIPE, hours=args.minutes / 60, seed=args.seed)
+        print(
+            f"4/4 a round of {args.minutes:g} min on local Ray through the hub "
+            "(baseline exam, training, result exam)",
+            flush=True,
+        )
+        record = run_round(
+            RoundSettings(
+                data=data,
+                model=str(student),
+                out=round_out,
+                hub=hub.url,
+                token=device,
+                device_name="demo-laptop",
+                recipe=recipe,
+            )
+        )
+        baseline, result = record.get("baseline"), record.get("result")
+        print()
+        print(per_tool_table(baseline, result))
+        print()
+        fmt = lambda e: f"{e['agreement']:.1f}% ({e['right']}/{e['turns']})" if e else "n/a"  # noqa: E731
+        print(
+            f"agreement on paper {record['paper']['id']} ({record['paper']['turns']} turns): "
+            f"before {fmt(baseline)}, after {fmt(result)}; beat the baseline: {record['beat']}"
+        )
+        print(
+            f"training: {record.get('steps')} steps, {record.get('turns_trained')} turns, "
+            f"stopped by {record.get('why')}, best validation loss {record.get('best_val_loss')}"
+        )
+        if record.get("hub_round"):
+            answer = requests.post(
+                f"{hub.url}/v1/training/rounds/{record['hub_round']}/promote",
+                headers={"Authorization": f"Bearer {owner}"},
+                timeout=30,
+            )
+            print(
+                f"promotion of {record['hub_round']} asked of the hub: HTTP {answer.status_code} {answer.text}"
+            )
+        print(
+            f"round.json: {round_out / 'round.json'}\nadapter:    {record.get('adapter')}\n"
+            f"progress:   {record['progress_log']}\nhub:        {hub.url}/?token={owner} (up while this runs)\n"
+            f"took {(time.time() - began) / 60:.1f} min"
+        )
+        if args.keep_hub:
+            print("the hub keeps serving; Ctrl-C to end", flush=True)
+            while True:
+                time.sleep(3600)
+    finally:
+        hub.stop()
     print(json.dumps(summary_line(record, round_out)))
     return 0 if record["status"] == "ended" else 1
 
@@ -304,6 +380,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--seed", type=int, default=0, help="corpus, student and draw seed (default %(default)s)"
     )
+    p.add_argument(
+        "--keep-hub",
+        action="store_true",
+        help="keep the hub and its status page up after the round",
+    )
     p.set_defaults(func=cmd_demo)
 
     p = verbs.add_parser(
@@ -367,6 +448,29 @@ def build_parser() -> argparse.ArgumentParser:
     add_fields(p, RoundSettings, "round")
     add_fields(p, Recipe, "recipe")
     p.set_defaults(func=cmd_round)
+
+    p = verbs.add_parser(
+        "trial",
+        help="score a candidate (bare student or adapter) on the paper; trains nothing",
+        description="Takes the paper from the hub (or --data), examines the candidate in a fresh "
+        "examiner actor, writes OUT/trial.json. Takes no turns.",
+    )
+    add_fields(p, RoundSettings, "trial")
+    add_fields(
+        p,
+        Recipe,
+        "exam settings",
+        only=(
+            "answer_budget",
+            "exam_turns",
+            "exam_batch",
+            "max_len",
+            "precision",
+            "threads",
+            "device",
+        ),
+    )
+    p.set_defaults(func=cmd_trial)
     return parser
 
 

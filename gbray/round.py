@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from gbray.data.sampler import draw
-from gbray.data.turns import TurnIndex, index_folder
+from gbray.data.turns import DataError, TurnIndex, index_folder
 from gbray.platform import available_cpus, process_record
 from gbray.settings import Recipe, RoundSettings, as_record
 
@@ -107,6 +107,52 @@ def _device(ray, recipe: Recipe) -> str:
     return "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
 
 
+class Stopped(Exception):
+    """The owner asked the round to stop."""
+
+
+def _call(ray, hub, method: str, *args):
+    return ray.get(hub.call.remote(method, *args)) if hub is not None else None
+
+
+def student_name(model: str) -> str:
+    """A student's name for the baseline cache: its folder name and a hash of its config."""
+    config = (Path(model) / "config.json").read_bytes()
+    return f"{Path(model).name}-{hashlib.sha256(config).hexdigest()[:8]}"
+
+
+def start_name(adapter: str | None) -> str:
+    """The start's name on the hub: `bare`, `hub:<id>`, or a hash of a local adapter's weights
+    (never a local path: two machines must agree on the name)."""
+    if not adapter:
+        return "bare"
+    if adapter.startswith("hub:"):
+        return adapter
+    weights = sorted(Path(adapter).glob("adapter_model.*"))
+    digest = hashlib.sha256(weights[0].read_bytes() if weights else adapter.encode()).hexdigest()[
+        :12
+    ]
+    return f"local:{digest}"
+
+
+def hub_work(ray, hub, recipe: Recipe) -> Work | None:
+    """The slice (plus validation turns) and the paper from the hub, or None if it cannot be had."""
+    from gbray.data.turns import BadLines, parse_turn
+
+    lines = _call(ray, hub, "slice", recipe.turns + recipe.val_turns)
+    paper = _call(ray, hub, "paper", recipe.exam_turns)
+    if not lines or not paper or not paper[0]:
+        return None
+    bad = BadLines()
+    turns = [t for i, line in enumerate(lines) if (t := parse_turn(line, f"slice:{i}", bad))]
+    exam = [t for i, line in enumerate(paper[0]) if (t := parse_turn(line, f"paper:{i}", bad))]
+    val_count = min(recipe.val_turns, max(1, len(turns) // 5))
+    log.info("hub: slice of %d turns, paper %s of %d turns", len(turns), paper[1], len(exam))
+    return Work(
+        turns[val_count:], turns[:val_count], exam, paper[1], paper[2], {"hub": bad.as_dict()}
+    )
+
+
 def run_exam(
     ray,
     model: str,
@@ -115,19 +161,22 @@ def run_exam(
     paper: list[dict],
     log_path: Path,
     what: str,
+    hub=None,
 ) -> dict:
-    """One exam in a fresh examiner actor, killed when the exam is done, whatever happened."""
+    """One exam in a fresh examiner actor, killed when the exam is done or the owner says stop."""
     from gbray.actors import ExaminerActor
 
     gpus = 1 if recipe.device == "cuda" else 0
     actor = ExaminerActor.options(num_cpus=recipe.threads, num_gpus=gpus).remote(
-        model, adapter, recipe.precision, recipe.threads, recipe.device, str(log_path)
+        model, adapter, recipe.precision, recipe.threads, recipe.device, str(log_path), hub
     )
     try:
         log.info("%s exam: %d turns, answer budget %d", what, len(paper), recipe.answer_budget)
-        result = ray.get(
-            actor.exam.remote(paper, recipe.answer_budget, recipe.max_len, recipe.exam_batch)
-        )
+        ref = actor.exam.remote(paper, recipe.answer_budget, recipe.max_len, recipe.exam_batch)
+        while not ray.wait([ref], timeout=1.0)[0]:
+            if hub is not None and ray.get(hub.stopped.remote()):
+                raise Stopped(f"stopped by the owner during the {what} exam")
+        result = ray.get(ref)
         log.info(
             "%s: %.1f%% agreement (%d/%d)",
             what,
@@ -144,115 +193,329 @@ def new_round_id() -> str:
     return time.strftime("r-%Y%m%d-%H%M%S-") + os.urandom(2).hex()
 
 
-def run_round(settings: RoundSettings) -> dict:
-    """Run one round; returns round.json's content (also written to settings.out/round.json)."""
-    settings.validate()
-    started = time.time()
-    round_id = new_round_id()
-    out = Path(settings.out)
-    out.mkdir(parents=True, exist_ok=True)
-    log_path = out / "progress.log"
-    # Bad data ends the round before anything starts: indexing reads raw lines only.
-    train, evaluation = index_folder(Path(settings.data))
-    seed = settings.recipe.resolve("cpu").seed
-    ray = _start_ray(settings.address)
-    device = _device(ray, settings.recipe)
-    recipe = dataclasses.replace(
-        settings.recipe.resolve(device),
-        seed=seed,
-        threads=_actor_cpus(ray, settings.recipe),
-    )
-    (out / "recipe.json").write_text(json.dumps(as_record(recipe), indent=2))
-    work = local_work(Path(settings.data), train, evaluation, recipe)
-    model = str(Path(settings.model).resolve())
-    start_name = settings.adapter or "bare"
-    record: dict = {
-        "round": round_id,
-        "device": device,
-        "student": model,
-        "carried_from": settings.adapter,
-        "start": start_name,
-        "draw_seed": recipe.seed,
-        "recipe": as_record(recipe),
-        "paper": {"id": work.paper_id, "scope": work.scope, "turns": len(work.paper)},
-        "slice_turns": len(work.train),
-        "val_turns": len(work.val),
-        "bad_lines": work.bad_lines,
-        "driver": process_record(),
-        "progress_log": str(log_path),
-        "status": "running",
+def per_tool(baseline: dict | None, result: dict | None) -> dict:
+    def cell(exam, tool):
+        row = (exam or {}).get("per_tool", {}).get(tool)
+        return f"{row['right']}/{row['asked']}" if row else None
+
+    tools = (result or baseline or {}).get("per_tool", {})
+    return {
+        t: {"asked": row["asked"], "before": cell(baseline, t), "after": cell(result, t)}
+        for t, row in tools.items()
     }
 
-    def write() -> None:
-        (out / "round.json").write_text(json.dumps(record, indent=2, default=str))
 
-    write()
-    # A freshly wrapped LoRA equals the bare start, so the baseline needs no trained model.
-    try:
-        baseline = run_exam(ray, model, settings.adapter, recipe, work.paper, log_path, "baseline")
-    except Exception as e:  # noqa: BLE001 - a crashed exam costs only that exam
-        log.error("baseline exam failed: %s", e)
-        baseline = None
-        record["baseline_error"] = str(e)
-    record["baseline"] = baseline
-    record["exam_pids"] = [baseline["pid"]] if baseline else []
-    write()
+class Round:
+    """One round's state and its steps; `run()` is the backbone, top to bottom."""
 
-    from gbray.actors import TrainerActor
+    def __init__(self, settings: RoundSettings):
+        settings.validate()
+        self.settings = settings
+        self.started = time.time()
+        self.out = Path(settings.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.out / "progress.log"
+        self.record: dict = {"round": new_round_id(), "status": "starting"}
+        self.ray = self.hub = None
 
-    gpus = 1 if device == "cuda" else 0
-    trainer = TrainerActor.options(num_cpus=recipe.threads, num_gpus=gpus).remote(
-        model, settings.adapter, as_record(recipe), str(out), str(log_path)
-    )
-    try:
-        record["trainer_pid"] = ray.get(trainer.pid.remote())
-        record["trainer_process"] = ray.get(trainer.process.remote())
-        train_ref = ray.put(work.train)
-        summary = ray.get(trainer.train.remote(train_ref, work.val))
-    except Exception as e:
-        record.update(
-            status="failed",
-            why=f"training failed: {e}",
-            minutes=round((time.time() - started) / 60, 2),
+    def write(self) -> None:
+        (self.out / "round.json").write_text(json.dumps(self.record, indent=2, default=str))
+
+    def note(self, line: str) -> None:
+        log.info("%s", line)
+        if self.hub is not None:
+            self.hub.note.remote(line)
+
+    def setup(self) -> None:
+        s = self.settings
+        # Bad data ends the round before anything starts: indexing reads raw lines only.
+        self.local = index_folder(Path(s.data)) if s.data else None
+        seed = s.recipe.resolve("cpu").seed
+        self.ray = ray = _start_ray(s.address)
+        device = _device(ray, s.recipe)
+        self.recipe = dataclasses.replace(
+            s.recipe.resolve(device), seed=seed, threads=_actor_cpus(ray, s.recipe)
         )
-        last = out / "last"
-        record["adapter_last"] = str(last) if (last / "adapter_config.json").is_file() else None
-        write()
-        raise
-    finally:
-        # Free its CPUs (and memory) for the examiner; everything it made is on disk.
-        ray.kill(trainer, no_restart=True)
-    record.update(
-        steps=summary["steps"],
-        planned_steps=summary["planned_steps"],
-        replanned_from=summary["replanned_from"],
-        best_val_loss=summary["best_val_loss"],
-        best_step=summary["best_step"],
-        checks=summary["checks"],
-        turns_trained=summary["turns_trained"],
-        turn_passes=summary["turn_passes"],
-        epochs_done=summary["epochs_done"],
-        why=summary["why"],
-        mean_loss=summary["mean_loss"],
-        skipped_nan=summary["skipped_nan"],
-        shortened=summary["shortened"],
-        training_minutes=summary["minutes"],
-        adapter=summary["best"],
-        adapter_last=summary["last"],
-    )
-    write()
-    try:
-        result = run_exam(ray, model, summary["best"], recipe, work.paper, log_path, "result")
-        record["exam_pids"].append(result["pid"])
-    except Exception as e:  # noqa: BLE001 - the adapter is already on disk
-        log.error("result exam failed: %s", e)
-        result = None
-        record["result_error"] = str(e)
-    record["result"] = result
-    record["beat"] = bool(baseline and result and result["agreement"] > baseline["agreement"])
-    record["status"] = "ended" if result is not None else "exam failed"
-    record["minutes"] = round((time.time() - started) / 60, 2)
-    write()
+        (self.out / "recipe.json").write_text(json.dumps(as_record(self.recipe), indent=2))
+        if s.hub:
+            from gbray.actors import HubActor
+
+            self.hub = HubActor.remote(
+                {"url": s.hub, "token": s.token, "device": self.device_name()}
+            )
+        self.model = str(Path(s.model).resolve())
+
+    def device_name(self) -> str:
+        import socket
+
+        return self.settings.device_name or socket.gethostname()
+
+    def get_work(self) -> Work:
+        work = hub_work(self.ray, self.hub, self.recipe) if self.hub is not None else None
+        if work is None and self.hub is not None:
+            log.warning(
+                "hub: no slice or paper; %s",
+                "using the local data folder" if self.local else "no fallback",
+            )
+        if work is None:
+            if self.local is None:
+                raise DataError(
+                    "the hub could not be reached and there is no --data to fall back on"
+                )
+            work = local_work(Path(self.settings.data), *self.local, self.recipe)
+        return work
+
+    def start_adapter(self) -> str | None:
+        adapter = self.settings.adapter
+        if adapter and adapter.startswith("hub:"):
+            folder = _call(self.ray, self.hub, "get_adapter", adapter[4:], self.out / "start")
+            return str(folder)
+        return adapter
+
+    def baseline_key(self, work: Work) -> dict:
+        return {
+            "scope": work.scope,
+            "base": start_name(self.settings.adapter),
+            "paper": work.paper_id,
+            "turns": len(work.paper),
+            "answer": self.recipe.answer_budget,
+            "student": student_name(self.model),
+        }
+
+    def exam(self, adapter: str | None, work: Work, what: str) -> dict | None:
+        self.note(
+            f"{what} exam: {len(work.paper)} turns of paper {work.paper_id}, answer budget "
+            f"{self.recipe.answer_budget}"
+        )
+        try:
+            result = run_exam(
+                self.ray,
+                self.model,
+                adapter,
+                self.recipe,
+                work.paper,
+                self.log_path,
+                what,
+                self.hub,
+            )
+        except Stopped:
+            raise
+        except Exception as e:  # noqa: BLE001 - a crashed exam costs only that exam
+            log.error("%s exam failed: %s", what, e)
+            self.record[f"{what}_error"] = str(e)
+            return None
+        self.record.setdefault("exam_pids", []).append(result["pid"])
+        self.note(
+            f"{what}: {result['agreement']:.1f}% agreement ({result['right']}/{result['turns']})"
+        )
+        return result
+
+    def baseline_first(self, work: Work, start: str | None) -> tuple[dict | None, bool]:
+        """The baseline before training: (exam or known number, whether to read it at the end instead)."""
+        answer = (
+            _call(self.ray, self.hub, "ask_baseline", self.baseline_key(work)) if self.hub else None
+        )
+        if answer and answer.get("known"):
+            self.note(
+                f"baseline known on the hub: {answer['baseline']:.1f}% (measured by {answer['by']})"
+            )
+            return {"agreement": answer["baseline"], "source": "hub", "by": answer["by"]}, False
+        if answer and not answer.get("measure"):
+            self.note(f"baseline being measured by {answer['by']}; training at once")
+            return None, True
+        # A freshly wrapped LoRA equals the bare start, so the baseline needs no trained model.
+        baseline = self.exam(start, work, "baseline")
+        if baseline is not None and self.hub is not None:
+            _call(
+                self.ray, self.hub, "tell_baseline", self.baseline_key(work), baseline["agreement"]
+            )
+        return baseline, False
+
+    def baseline_late(self, work: Work, start: str | None) -> dict | None:
+        answer = _call(self.ray, self.hub, "ask_baseline", self.baseline_key(work))
+        if answer and answer.get("known"):
+            return {"agreement": answer["baseline"], "source": "hub", "by": answer["by"]}
+        self.note("the baseline never arrived; measuring the start now")
+        baseline = self.exam(start, work, "baseline")
+        if baseline is not None:
+            _call(
+                self.ray, self.hub, "tell_baseline", self.baseline_key(work), baseline["agreement"]
+            )
+        return baseline
+
+    def train(self, work: Work, start: str | None) -> dict:
+        from gbray.actors import TrainerActor
+
+        ray, recipe = self.ray, self.recipe
+        gpus = 1 if recipe.device == "cuda" else 0
+        trainer = TrainerActor.options(num_cpus=recipe.threads, num_gpus=gpus).remote(
+            self.model, start, as_record(recipe), str(self.out), str(self.log_path), self.hub
+        )
+        try:
+            self.record["trainer_pid"] = ray.get(trainer.pid.remote())
+            self.record["trainer_process"] = ray.get(trainer.process.remote())
+            return ray.get(trainer.train.remote(ray.put(work.train), work.val))
+        finally:
+            # Free its CPUs (and memory) for the examiner; everything it made is on disk.
+            ray.kill(trainer, no_restart=True)
+
+    def run(self) -> dict:
+        self.setup()
+        s, recipe, record = self.settings, self.recipe, self.record
+        work = self.get_work()
+        hub_round = _call(
+            self.ray,
+            self.hub,
+            "register",
+            start_name(s.adapter),
+            len(work.train),
+            {**as_record(recipe), "student": student_name(self.model)},
+        )
+        start = self.start_adapter()
+        record.update(
+            {
+                "hub": s.hub,
+                "hub_round": hub_round,
+                "device": recipe.device,
+                "device_name": self.device_name(),
+                "student": self.model,
+                "student_name": student_name(self.model),
+                "carried_from": s.adapter,
+                "start": start_name(s.adapter),
+                "draw_seed": recipe.seed,
+                "recipe": as_record(recipe),
+                "paper": {"id": work.paper_id, "scope": work.scope, "turns": len(work.paper)},
+                "slice_turns": len(work.train),
+                "val_turns": len(work.val),
+                "bad_lines": work.bad_lines,
+                "driver": process_record(),
+                "progress_log": str(self.log_path),
+                "status": "running",
+            }
+        )
+        self.write()
+        baseline = result = None
+        summary: dict = {}
+        try:
+            baseline, deferred = self.baseline_first(work, start)
+            record["baseline"] = baseline
+            self.write()
+            summary = self.train(work, start)
+            record.update(self.from_summary(summary))
+            self.write()
+            if summary["why"] == "stopped":
+                raise Stopped("stopped by the owner during training")
+            result = self.exam(summary["best"], work, "result")
+            if deferred:
+                baseline = self.baseline_late(work, start)
+            record["status"] = "ended" if result is not None else "exam failed"
+        except Stopped as e:
+            self.note(str(e))
+            record["status"], record["why"] = "stopped", str(e)
+        except Exception as e:
+            record.update(status="failed", why=f"{type(e).__name__}: {e}")
+            last = self.out / "last"
+            record["adapter_last"] = str(last) if (last / "adapter_config.json").is_file() else None
+            raise
+        finally:
+            record.update(
+                baseline=baseline,
+                result=result,
+                minutes=round((time.time() - self.started) / 60, 2),
+                beat=bool(baseline and result and result["agreement"] > baseline["agreement"]),
+            )
+            self.write()
+            self.report_to_hub(work, summary)
+        return record
+
+    @staticmethod
+    def from_summary(summary: dict) -> dict:
+        keys = (
+            "steps",
+            "planned_steps",
+            "replanned_from",
+            "best_val_loss",
+            "best_step",
+            "checks",
+            "turns_trained",
+            "turn_passes",
+            "epochs_done",
+            "why",
+            "mean_loss",
+            "skipped_nan",
+            "shortened",
+        )
+        return {
+            **{k: summary[k] for k in keys},
+            "training_minutes": summary["minutes"],
+            "adapter": summary["best"],
+            "adapter_last": summary["last"],
+        }
+
+    def report_to_hub(self, work: Work, summary: dict) -> None:
+        """Upload the adapter and end the round on the hub (both retried inside the client)."""
+        if self.hub is None or not self.record.get("hub_round"):
+            return
+        record = self.record
+        adapter = record.get("adapter")
+        name = self.ray.get(self.hub.put_adapter.remote(adapter)) if adapter else None
+
+        def agreement(key):
+            return (record.get(key) or {}).get("agreement")
+
+        ok = _call(
+            self.ray,
+            self.hub,
+            "end",
+            {
+                "status": record["status"],
+                "baseline": agreement("baseline"),
+                "result": agreement("result"),
+                "adapter": name,
+                "paper": work.paper_id,
+                "why": record.get("why"),
+                "trained": summary.get("turns_trained", 0),
+                "drawSeed": self.recipe.seed,
+                "perTool": per_tool(record.get("baseline"), record.get("result")),
+            },
+        )
+        record["hub_adapter"], record["hub_ended"] = name, bool(ok)
+        self.write()
+
+
+def run_round(settings: RoundSettings) -> dict:
+    """Run one round; returns round.json's content (also written to settings.out/round.json)."""
+    return Round(settings).run()
+
+
+def run_trial(settings: RoundSettings) -> dict:
+    """Score a candidate (the bare student or an adapter) on the paper: trains nothing, takes no turns."""
+    rnd = Round(settings)
+    rnd.setup()
+    work = None
+    if rnd.hub is not None:
+        paper = _call(rnd.ray, rnd.hub, "paper", rnd.recipe.exam_turns)
+        if paper and paper[0]:
+            from gbray.data.turns import BadLines, parse_turn
+
+            bad = BadLines()
+            exam = [
+                t for i, line in enumerate(paper[0]) if (t := parse_turn(line, f"paper:{i}", bad))
+            ]
+            work = Work([], [], exam, paper[1], paper[2], {"hub": bad.as_dict()})
+    if work is None:
+        if rnd.local is None:
+            raise DataError("the hub could not be reached and there is no --data to fall back on")
+        exam, paper_id = paper_of(rnd.local[1], rnd.recipe.exam_turns)
+        work = Work([], [], exam, paper_id, f"local:{Path(settings.data).resolve()}", {})
+    result = rnd.exam(rnd.start_adapter(), work, "trial")
+    record = {
+        "candidate": start_name(settings.adapter),
+        "student": student_name(rnd.model),
+        "paper": {"id": work.paper_id, "scope": work.scope, "turns": len(work.paper)},
+        "result": result,
+    }
+    (rnd.out / "trial.json").write_text(json.dumps(record, indent=2))
     return record
 
 

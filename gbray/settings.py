@@ -135,15 +135,22 @@ class Recipe:
 
 @dataclass(frozen=True)
 class RoundSettings:
-    """Where a round reads, what it trains, where it writes."""
+    """Where a round gets its work, what it trains, where it writes."""
 
-    data: Path = setting(None, "data folder with train.jsonl and eval.jsonl", required=True)
     model: str = setting(
         None, "student model folder (from `gbray student`, or any causal LM)", required=True
     )
     out: Path = setting(None, "output folder for round.json, adapters and logs", required=True)
-    adapter: str | None = setting(
-        None, "carry on from this adapter folder instead of the bare student"
+    data: Path | None = setting(
+        None,
+        "data folder with train.jsonl and eval.jsonl (with --hub: the fallback "
+        "when the hub cannot be reached)",
+    )
+    adapter: str | None = setting(None, "carry on from this adapter: a folder, or hub:NAME")
+    hub: str | None = setting(None, "hub URL: take the slice and paper from it and report to it")
+    token: str | None = setting(None, "hub bearer token (default: $GBRAY_TOKEN)")
+    device_name: str | None = setting(
+        None, "this machine's name on the hub (default: the host name)"
     )
     address: str | None = setting(None, "Ray cluster address; default: a local Ray")
     recipe: Recipe = field(default_factory=Recipe)
@@ -152,15 +159,21 @@ class RoundSettings:
         self.recipe.validate()
         if not (Path(self.model) / "config.json").is_file():
             raise ValueError(f"--model {self.model} is not a model folder (no config.json)")
+        if self.data is None and self.hub is None:
+            raise ValueError("a round needs --data, --hub, or both")
+        if self.hub and not self.token:
+            raise ValueError("--hub needs --token (or $GBRAY_TOKEN)")
+        if self.adapter and self.adapter.startswith("hub:") and not self.hub:
+            raise ValueError(f"--adapter {self.adapter} needs --hub")
 
 
 def add_fields(
-    parser: argparse.ArgumentParser, cls, title: str, skip: tuple[str, ...] = ()
+    parser: argparse.ArgumentParser, cls, title: str, only: tuple[str, ...] | None = None
 ) -> None:
     """One CLI flag per dataclass field, with the field's help and default."""
     group = parser.add_argument_group(title, cls.__doc__.strip() if cls.__doc__ else None)
     for f in fields(cls):
-        if f.name in skip or "help" not in f.metadata:
+        if (only is not None and f.name not in only) or "help" not in f.metadata:
             continue
         flag = "--" + f.name.replace("_", "-")
         meta = f.metadata

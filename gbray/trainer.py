@@ -124,9 +124,11 @@ class Trainer:
         report: Callable[[str], None] = log.info,
         on_check: Callable[[dict], None] = _nothing,
         should_stop: Callable[[], bool] = lambda: False,
+        on_saved: Callable[[str, Path], None] = _nothing,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.recipe, self.out = recipe, Path(out)
+        self.on_saved = on_saved
         self.report, self.on_check, self.should_stop, self.clock = (
             report,
             on_check,
@@ -350,7 +352,7 @@ class Trainer:
                         for group in self.optimizer.param_groups:
                             group["lr"] = recipe.lr * recipe.min_lr_ratio
                     if self.clock() - timing.last_save >= recipe.last_every_minutes * 60:
-                        self.save("last", state)
+                        self.on_saved("last", self.save("last", state))
                         timing.last_save = self.clock()
                 now = self.clock()
                 if (

@@ -31,6 +31,8 @@ class HubProcess:
         self.device = store.add_token("laptop", owner=False)
 
     def start(self) -> "HubProcess":
+        self.log = open(self.root / "hub.log", "ab")  # noqa: SIM115 - lives as long as the process
+        self.log = open(self.root / "hub.log", "ab")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -47,7 +49,7 @@ class HubProcess:
                 *self.extra,
             ],
             stdout=subprocess.DEVNULL,
-            stderr=open(self.root / "hub.log", "ab"),
+            stderr=self.log,
             env={**os.environ},
         )
         deadline = time.monotonic() + 30

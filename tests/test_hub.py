@@ -11,10 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 import torch
+from hubutil import HubProcess
 from safetensors.torch import save_file
 
 from gbray.hub.client import ClientSettings, HubClient, pack_adapter, unpack_adapter
-from hubutil import HubProcess
 
 MB = 1024 * 1024
 

@@ -168,7 +168,7 @@ class HubClient:
             self.once,
             "POST",
             "/v1/training/baseline",
-            json={**key, "baseline": value},
+            json={**key, "baseline": value, "device": self.settings.device},
         )
 
     # -- progress -------------------------------------------------------------------------------

@@ -180,7 +180,7 @@ def create_app(settings: HubSettings) -> FastAPI:
     @app.post("/v1/training/baseline")
     def tell_baseline(body: BaselineBody, who=Depends(caller)):
         key = (body.scope, body.base, body.paper, body.turns, body.answer, body.student)
-        store.tell_baseline(key, body.baseline, who[0])
+        store.tell_baseline(key, body.baseline, getattr(body, "device", None) or who[0])
         return {}
 
     @app.put("/v1/training/rounds/{round_id}/adapter")
@@ -257,3 +257,44 @@ def serve(settings: HubSettings) -> None:
     import uvicorn
 
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+
+
+class EmbeddedHub:
+    """A hub served from a thread of this process (the demo's): uvicorn on a loopback port."""
+
+    def __init__(self, settings: HubSettings):
+        import uvicorn
+
+        self.settings = settings
+        self.url = f"http://{settings.host}:{settings.port}"
+        config = uvicorn.Config(
+            create_app(settings), host=settings.host, port=settings.port, log_level="warning"
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = None
+
+    def start(self) -> EmbeddedHub:
+        import threading
+        import time
+
+        self.thread = threading.Thread(target=self.server.run, name="gbray-hub", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError(f"the embedded hub did not start on {self.url}")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        if self.thread is not None:
+            self.thread.join(timeout=10)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -1,0 +1,266 @@
+"""Rounds against a real hub on 127.0.0.1 (up, down, restarted, stopping them) on real Ray."""
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import requests
+
+from hubutil import HubProcess, free_port
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture
+def hub(tmp_path, corpus):
+    h = HubProcess(tmp_path / "hub")
+    from gbray.hub.store import Store
+
+    Store(h.db).load(corpus / "train.jsonl", corpus / "eval.jsonl")
+    h.start()
+    yield h
+    h.stop()
+
+
+def quick_recipe(**kw):
+    from gbray.settings import Recipe
+
+    base = dict(
+        hours=0.4 / 60,
+        epochs=5,
+        turns=200,
+        lr=3e-3,
+        batch=4,
+        accum=1,
+        lora_r=8,
+        lora_alpha=16,
+        max_len=512,
+        val_turns=16,
+        val_every_minutes=0.1,
+        last_every_minutes=0.1,
+        progress_every_minutes=0.05,
+        exam_turns=20,
+        answer_budget=24,
+        seed=5,
+        gradient_checkpointing=False,
+    )
+    base.update(kw)
+    return Recipe(**base)
+
+
+def settings(hub_url, token, corpus, student, out, **kw):
+    from gbray.settings import RoundSettings
+
+    recipe = kw.pop("recipe", quick_recipe())
+    return RoundSettings(
+        data=corpus, model=str(student), out=out, hub=hub_url, token=token, recipe=recipe, **kw
+    )
+
+
+def get(hub, path):
+    return requests.get(hub.url + path, headers=hub.headers("owner"), timeout=30)
+
+
+def test_round_through_the_hub_is_live_and_stored(ray_local, hub, corpus, raw_student, tmp_path):
+    from gbray.round import run_round, run_trial
+
+    seen_live = []
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            rounds = get(hub, "/v1/training/state").json()["rounds"]
+            if rounds and rounds[0]["status"] == "running":
+                notes = get(hub, f"/v1/training/rounds/{rounds[0]['id']}").json()["notes"]
+                if notes:
+                    seen_live.append(len(notes))
+            time.sleep(0.5)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        record = run_round(settings(hub.url, hub.device, corpus, raw_student, tmp_path / "r"))
+    finally:
+        done.set()
+        watcher.join()
+    assert seen_live, "no progress line reached the hub while the round ran"
+    rid = record["hub_round"]
+    stored = get(hub, f"/v1/training/rounds/{rid}").json()
+    assert stored["status"] == "ended"
+    assert stored["baseline"] == record["baseline"]["agreement"]
+    assert stored["result"] == record["result"]["agreement"]
+    assert stored["checks"] and all(c["valLoss"] is not None for c in stored["checks"])
+    assert stored["end_body"]["perTool"]
+    assert get(hub, f"/v1/training/adapters/{rid}").status_code == 200
+    assert get(hub, f"/v1/training/adapters/{rid}-last").status_code == 200
+    assert get(hub, "/v1/training/state").json()["coverage"]["trained"] == record["turns_trained"]
+    # The baseline is now cached: a trial of the same start reads nothing new, and takes no turns.
+    handed = get(hub, "/v1/training/state").json()["coverage"]["handed_out"]
+    trial = run_trial(
+        settings(hub.url, hub.device, None, raw_student, tmp_path / "t", adapter=f"hub:{rid}")
+    )
+    assert trial["result"]["turns"] == 20 and trial["candidate"] == f"hub:{rid}"
+    assert get(hub, "/v1/training/state").json()["coverage"]["handed_out"] == handed
+
+
+def test_round_with_the_hub_down_throughout(ray_local, corpus, raw_student, tmp_path):
+    from gbray.round import run_round
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    record = run_round(settings(dead, "t", corpus, raw_student, tmp_path / "r"))
+    assert record["status"] == "ended" and record["hub_round"] is None
+    assert record["baseline"] and record["result"]
+    on_disk = json.loads((tmp_path / "r" / "round.json").read_text())
+    assert (
+        on_disk["status"] == "ended" and (tmp_path / "r" / "best" / "adapter_config.json").is_file()
+    )
+
+
+def test_notes_kept_while_the_hub_is_down_arrive_in_order(
+    ray_local, hub, corpus, raw_student, tmp_path
+):
+    from gbray.round import run_round
+
+    out = tmp_path / "r"
+    result = {}
+    runner = threading.Thread(
+        target=lambda: result.update(
+            record=run_round(
+                settings(
+                    hub.url,
+                    hub.device,
+                    corpus,
+                    raw_student,
+                    out,
+                    recipe=quick_recipe(hours=0.5 / 60),
+                )
+            )
+        )
+    )
+    runner.start()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        rounds = get(hub, "/v1/training/state").json()["rounds"]
+        if rounds and get(hub, f"/v1/training/rounds/{rounds[0]['id']}").json()["notes"]:
+            break
+        time.sleep(0.2)
+    hub.stop()
+    time.sleep(12)
+    hub.start()
+    runner.join(timeout=300)
+    record = result["record"]
+    notes = [
+        n["line"] for n in get(hub, f"/v1/training/rounds/{record['hub_round']}").json()["notes"]
+    ]
+    progress = (out / "progress.log").read_text().splitlines()
+    assert len(progress) > 5
+    # Every line the trainer and examiners reported reached the hub, in the order they were made.
+    positions = [notes.index(line) for line in progress]
+    assert positions == sorted(positions)
+    assert record["hub_ended"]
+
+
+def test_two_rounds_one_baseline(ray_local, hub, corpus, raw_student, tmp_path):
+    from gbray.round import run_round
+
+    records = {}
+
+    def one(name):
+        records[name] = run_round(
+            settings(
+                hub.url,
+                hub.device,
+                corpus,
+                raw_student,
+                tmp_path / name,
+                device_name=name,
+                recipe=quick_recipe(threads=1, hours=0.3 / 60),
+            )
+        )
+
+    threads = [threading.Thread(target=one, args=(n,)) for n in ("dev-a", "dev-b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=400)
+    measured = [n for n, r in records.items() if "pid" in (r["baseline"] or {})]
+    assert len(measured) == 1, {n: r["baseline"] for n, r in records.items()}
+    other = next(n for n in records if n not in measured)
+    assert records[other]["baseline"]["source"] == "hub"
+    assert records[other]["baseline"]["by"] == measured[0]
+    assert records[other]["baseline"]["agreement"] == records[measured[0]]["baseline"]["agreement"]
+    assert len(records[other]["exam_pids"]) == 1  # only its result exam
+
+
+def test_stop_during_an_exam(hub, corpus, raw_student, tmp_path):
+    out = tmp_path / "r"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gbray.cli",
+            "round",
+            "--data",
+            str(corpus),
+            "--model",
+            str(raw_student),
+            "--out",
+            str(out),
+            "--hub",
+            hub.url,
+            "--token",
+            hub.device,
+            "--hours",
+            "0.01",
+            "--exam-turns",
+            "150",
+            "--exam-batch",
+            "2",
+            "--answer-budget",
+            "320",
+            "--max-len",
+            "768",
+            "--threads",
+            "2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    rid = None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and rid is None:
+        for r in get(hub, "/v1/training/state").json()["rounds"]:
+            if any(
+                "baseline exam" in n["line"]
+                for n in get(hub, f"/v1/training/rounds/{r['id']}").json()["notes"]
+            ):
+                rid = r["id"]
+        time.sleep(0.5)
+    assert rid, "the baseline exam never started"
+    time.sleep(3)  # well inside the exam: 150 turns of 320 tokens from an untrained student
+    asked = time.monotonic()
+    assert requests.post(
+        f"{hub.url}/v1/training/rounds/{rid}/stop", headers=hub.headers("owner"), timeout=10
+    ).ok
+    stdout, stderr = proc.communicate(timeout=120)
+    took = time.monotonic() - asked
+    assert proc.returncode == 0, stderr[-2000:]
+    assert took < 30, took
+    record = json.loads((out / "round.json").read_text())
+    assert record["status"] == "stopped" and "baseline exam" in record["why"]
+    assert record["baseline"] is None
+    assert json.loads(stdout.strip().splitlines()[-1])["status"] == "stopped"
+    assert get(hub, f"/v1/training/rounds/{rid}").json()["status"] == "stopped"
