@@ -135,18 +135,19 @@ def start_name(adapter: str | None) -> str:
     return f"local:{digest}"
 
 
-def hub_work(ray, hub, recipe: Recipe) -> Work | None:
-    """The slice (plus validation turns) and the paper from the hub, or None if it cannot be had."""
+def hub_work(ray, hub, recipe: Recipe, with_slice: bool = True) -> Work | None:
+    """The slice (plus validation turns) and the paper from the hub, or None if it cannot be had.
+    Without the slice (a trial) only the paper is asked for: no turns are taken."""
     from gbray.data.turns import BadLines, parse_turn
 
-    lines = _call(ray, hub, "slice", recipe.turns + recipe.val_turns)
+    lines = _call(ray, hub, "slice", recipe.turns + recipe.val_turns) if with_slice else []
     paper = _call(ray, hub, "paper", recipe.exam_turns)
-    if not lines or not paper or not paper[0]:
+    if (with_slice and not lines) or not paper or not paper[0]:
         return None
     bad = BadLines()
     turns = [t for i, line in enumerate(lines) if (t := parse_turn(line, f"slice:{i}", bad))]
     exam = [t for i, line in enumerate(paper[0]) if (t := parse_turn(line, f"paper:{i}", bad))]
-    val_count = min(recipe.val_turns, max(1, len(turns) // 5))
+    val_count = min(recipe.val_turns, len(turns) // 5)
     log.info("hub: slice of %d turns, paper %s of %d turns", len(turns), paper[1], len(exam))
     return Work(
         turns[val_count:], turns[:val_count], exam, paper[1], paper[2], {"hub": bad.as_dict()}
@@ -171,20 +172,11 @@ def run_exam(
         model, adapter, recipe.precision, recipe.threads, recipe.device, str(log_path), hub
     )
     try:
-        log.info("%s exam: %d turns, answer budget %d", what, len(paper), recipe.answer_budget)
         ref = actor.exam.remote(paper, recipe.answer_budget, recipe.max_len, recipe.exam_batch)
         while not ray.wait([ref], timeout=1.0)[0]:
             if hub is not None and ray.get(hub.stopped.remote()):
                 raise Stopped(f"stopped by the owner during the {what} exam")
-        result = ray.get(ref)
-        log.info(
-            "%s: %.1f%% agreement (%d/%d)",
-            what,
-            result["agreement"],
-            result["right"],
-            result["turns"],
-        )
-        return result
+        return ray.get(ref)
     finally:
         ray.kill(actor, no_restart=True)
 
@@ -492,17 +484,7 @@ def run_trial(settings: RoundSettings) -> dict:
     """Score a candidate (the bare student or an adapter) on the paper: trains nothing, takes no turns."""
     rnd = Round(settings)
     rnd.setup()
-    work = None
-    if rnd.hub is not None:
-        paper = _call(rnd.ray, rnd.hub, "paper", rnd.recipe.exam_turns)
-        if paper and paper[0]:
-            from gbray.data.turns import BadLines, parse_turn
-
-            bad = BadLines()
-            exam = [
-                t for i, line in enumerate(paper[0]) if (t := parse_turn(line, f"paper:{i}", bad))
-            ]
-            work = Work([], [], exam, paper[1], paper[2], {"hub": bad.as_dict()})
+    work = hub_work(rnd.ray, rnd.hub, rnd.recipe, with_slice=False) if rnd.hub is not None else None
     if work is None:
         if rnd.local is None:
             raise DataError("the hub could not be reached and there is no --data to fall back on")

@@ -66,6 +66,7 @@ class StudentSettings:
     pretrain_batch: int = 8
     seed: int = 0
     threads: int = 0
+    pretrain_tools: str = "random"
 
     def validate(self) -> None:
         if self.size not in SHAPES:
@@ -132,14 +133,50 @@ def build_model(size: str, tokenizer, seed: int):
     return model
 
 
-def pretraining_example(tokenizer, turn: dict, tool: str, max_len: int) -> Example:
-    """The turn with its answer naming `tool`, every token labelled: reading and format, no labels."""
-    answer = _TOOL_IN_ANSWER.sub(lambda m: m.group(1) + tool + m.group(3), turn["answer"], count=1)
+def pretraining_example(tokenizer, turn: dict, tool: str | None, max_len: int) -> Example:
+    """The turn with every token labelled except the tool's name: reading and format, no labels.
+
+    tool=None: the real name stays in the input, unlabelled; a name: it replaces the real one,
+    labelled (which teaches the answer to ignore the page when naming a tool)."""
+    match = _TOOL_IN_ANSWER.search(turn["answer"])
+    head, name, rest = (
+        turn["answer"][: match.end(1)],
+        match.group(2),
+        turn["answer"][match.end(2) :],
+    )
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    head_ids, name_ids, rest_ids = (
+        encode(head),
+        encode(tool or name),
+        encode(rest) + [tokenizer.eos_token_id],
+    )
     prompt = chat_prompt_ids(tokenizer, turn["system"], turn["user"])
-    tail = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    tail = head_ids + name_ids + rest_ids
+    tail_labels = head_ids + (name_ids if tool else [IGNORE] * len(name_ids)) + rest_ids
     # Keep the end of the prompt (the latest page) and the whole answer.
+    keep = prompt[-(max_len - len(tail)) :]
+    ids, labels = (keep + tail)[:max_len], (keep + tail_labels)[:max_len]
+    return Example(ids, labels, tool or name, len(prompt) + len(tail) > max_len)
+
+
+READING_TASK = "Repeat the first line of the latest page."
+
+
+def first_page_line(user: str) -> str:
+    """The first line of the latest page: the last blank-line block, past a header line ending in ':'."""
+    lines = [line for line in user.split("\n\n")[-1].split("\n") if line.strip()]
+    if len(lines) > 1 and lines[0].rstrip().endswith(":"):
+        return lines[1]
+    return lines[0] if lines else ""
+
+
+def reading_example(tokenizer, turn: dict, max_len: int) -> Example:
+    """A reading task that needs no labels: repeat the first line of the latest page."""
+    prompt = chat_prompt_ids(tokenizer, READING_TASK, turn["user"])
+    tail = tokenizer(first_page_line(turn["user"]), add_special_tokens=False)["input_ids"][:64]
+    tail = tail + [tokenizer.eos_token_id]
     ids = (prompt[-(max_len - len(tail)) :] + tail)[:max_len]
-    return Example(ids, list(ids), tool, len(prompt) + len(tail) > max_len)
+    return Example(ids, list(ids), "", len(prompt) + len(tail) > max_len)
 
 
 def pretrain(model, tokenizer, turns: list[dict], settings: StudentSettings) -> dict:
@@ -148,10 +185,13 @@ def pretrain(model, tokenizer, turns: list[dict], settings: StudentSettings) -> 
 
     rng = random.Random(settings.seed)
     tools = sorted({t["tool"] for t in turns})
-    examples = [
-        pretraining_example(tokenizer, t, rng.choice(tools), settings.pretrain_max_len)
-        for t in turns
-    ]
+    examples = []
+    for turn in turns:
+        if settings.pretrain_tools == "mixed" and rng.random() < 0.5:
+            examples.append(reading_example(tokenizer, turn, settings.pretrain_max_len))
+        else:
+            tool = rng.choice(tools) if settings.pretrain_tools in ("random", "mixed") else None
+            examples.append(pretraining_example(tokenizer, turn, tool, settings.pretrain_max_len))
     examples.sort(key=lambda e: len(e.input_ids))
     batches = [
         examples[i : i + settings.pretrain_batch]

@@ -1,7 +1,6 @@
 """A real hub server in a subprocess on 127.0.0.1, with a real SQLite file."""
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -9,11 +8,7 @@ from pathlib import Path
 
 import requests
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from gbray.hub.server import free_port
 
 
 class HubProcess:

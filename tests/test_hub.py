@@ -377,3 +377,19 @@ def test_page_and_openapi(hub):
         "/v1/training/rounds/{round_id}/stop",
     ):
         assert p in paths, p
+
+
+@pytest.mark.parametrize(
+    "members",
+    [
+        [*GOOD, ("adapter/../../../tmp/evil.txt", b"x", "file")],
+        [*GOOD, ("adapter/link", b"", "sym")],
+    ],
+)
+def test_fetched_adapter_extraction_refuses_escapes_and_links(tmp_path, members):
+    from gbray.hub.adapters import Refused
+
+    tgz = _write(tmp_path / "bad.tgz", _tgz(members))
+    with pytest.raises(Refused):
+        unpack_adapter(tgz, tmp_path / "into")
+    assert not (tmp_path / "into").exists() or not any((tmp_path / "into").rglob("*"))

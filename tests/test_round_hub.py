@@ -8,7 +8,6 @@ import time
 
 import pytest
 import requests
-
 from hubutil import HubProcess, free_port
 
 pytestmark = pytest.mark.slow
