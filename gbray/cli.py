@@ -76,6 +76,7 @@ def cmd_student(args) -> int:
             size=args.size,
             vocab=args.vocab,
             pretrain_seconds=args.pretrain_seconds,
+            pretrain_tools=args.pretrain_task,
             seed=args.seed,
             threads=args.threads,
         )
@@ -434,6 +435,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="(default %(default)s)")
     p.add_argument(
         "--threads", type=int, default=0, help="torch threads; 0: all CPUs (default %(default)s)"
+    )
+    p.add_argument(
+        "--pretrain-task",
+        default="mixed",
+        choices=("mixed", "random"),
+        help="tiny pre-training without tool labels: mixed (random-tool answers and repeating the "
+        "page's first line) or random (random-tool answers only) (default %(default)s)",
     )
     p.set_defaults(func=cmd_student)
 
