@@ -13,28 +13,21 @@ import time
 from pathlib import Path
 
 from gbray.data.turns import DataError
-from gbray.settings import Recipe, RoundSettings, add_fields, from_args
+from gbray.settings import Recipe, RoundSettings, add_fields, from_args, student_hints
+from gbray.student import TINY_HINTS
 
 log = logging.getLogger("gbray")
 
 # A round the tiny student can show a gain in within a few minutes on two cores. The real
 # defaults (SPEC §5) are for a 0.5B student over a night.
 DEMO_RECIPE = Recipe(
+    **TINY_HINTS,
     hours=3.5 / 60,
     epochs=3,
     turns=2400,
-    lr=3e-3,
-    batch=8,
-    accum=1,
-    lora_r=32,
-    lora_alpha=64,
-    max_len=1024,
-    val_every_minutes=0.5,
-    val_turns=64,
     exam_turns=120,
     last_every_minutes=1.0,
     progress_every_minutes=0.5,
-    gradient_checkpointing=False,
 )
 
 
@@ -95,8 +88,11 @@ def cmd_student(args) -> int:
 
 
 def _round_settings(args) -> RoundSettings:
-    recipe = from_args(Recipe, args)
-    token = args.token or os.environ.get("GBRAY_TOKEN")
+    hints = student_hints(args.model)
+    if hints:
+        log.info("student suggests %s (flags given win)", json.dumps(hints))
+    recipe = from_args(Recipe, args, hints=hints)
+    token = getattr(args, "token", None) or os.environ.get("GBRAY_TOKEN")
     return from_args(RoundSettings, args, recipe=recipe, token=token)
 
 

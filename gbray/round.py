@@ -260,8 +260,13 @@ class Round:
     def start_adapter(self) -> str | None:
         adapter = self.settings.adapter
         if adapter and adapter.startswith("hub:"):
-            folder = _call(self.ray, self.hub, "get_adapter", adapter[4:], self.out / "start")
-            return str(folder)
+            try:
+                return str(
+                    _call(self.ray, self.hub, "get_adapter", adapter[4:], self.out / "start")
+                )
+            except Exception as e:  # noqa: BLE001 - Ray wraps the client's error; the reason is in it
+                reason = str(e).strip().splitlines()[-1]
+                raise DataError(f"could not fetch {adapter} from the hub: {reason}") from e
         return adapter
 
     def baseline_key(self, work: Work) -> dict:

@@ -27,7 +27,10 @@ class Recipe:
     )
     epochs: float = setting(3.0, "passes over the slice")
     turns: int | None = setting(
-        None, "slice size; default 10000 on a GPU, max(120, hours*40/epochs) on a CPU"
+        None, "slice size; default 10000 on a GPU, max(120, hours*turns_per_hour/epochs) on a CPU"
+    )
+    turns_per_hour: float = setting(
+        40.0, "turn-passes a CPU does in an hour (a sighted turn: ~100 s a pass on a laptop)"
     )
     lr: float = setting(2e-4, "peak learning rate")
     warmup: float = setting(0.05, "share of the steps spent in linear warm-up")
@@ -107,7 +110,7 @@ class Recipe:
         """Settle the device-dependent defaults; the result is what gets recorded."""
         gpu = device == "cuda"
         turns = self.turns or (
-            10_000 if gpu else max(120, math.ceil(self.hours * 40 / self.epochs))
+            10_000 if gpu else max(120, math.ceil(self.hours * self.turns_per_hour / self.epochs))
         )
         return dataclasses.replace(
             self,
@@ -187,7 +190,7 @@ def add_fields(
             kwargs["choices"] = meta["choices"]
         if kind.startswith("bool"):
             kwargs["action"] = argparse.BooleanOptionalAction
-            kwargs["default"] = default
+            kwargs["default"] = argparse.SUPPRESS
         else:
             kwargs["type"] = (
                 float
@@ -198,14 +201,28 @@ def add_fields(
                 if kind.startswith("Path")
                 else str
             )
-            kwargs["default"] = default
+            kwargs["default"] = argparse.SUPPRESS
             kwargs["required"] = meta.get("required", False)
         group.add_argument(flag, **kwargs)
 
 
-def from_args(cls, args: argparse.Namespace, **extra):
-    values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+def from_args(cls, args: argparse.Namespace, hints: dict | None = None, **extra):
+    """Settings from the flags given; unset fields take `hints` (a student's), then the defaults."""
+    names = {f.name for f in fields(cls)}
+    values = {k: v for k, v in (hints or {}).items() if k in names}
+    values.update({f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
     return cls(**{**values, **extra})
+
+
+def student_hints(model: str | Path) -> dict:
+    """Recipe settings a student built by gbray suggests for itself (student.json), if any."""
+    import json
+
+    path = Path(model) / "student.json"
+    try:
+        return json.loads(path.read_text()).get("recipe_hints", {})
+    except (OSError, ValueError):
+        return {}
 
 
 def as_record(obj) -> dict:

@@ -82,3 +82,25 @@ def test_demo_end_to_end(tmp_path):
     assert record["result"]["agreement"] - record["baseline"]["agreement"] >= 20
     assert "must-not-leak" not in (tmp_path / "round" / "round.json").read_text()
     assert "before" in out.stdout and "after" in out.stdout
+
+
+def test_flags_win_over_student_hints_over_defaults(raw_student, tmp_path):
+    from gbray.cli import _round_settings, build_parser
+
+    args = build_parser().parse_args(
+        [
+            "round",
+            "--data",
+            str(tmp_path),
+            "--model",
+            str(raw_student),
+            "--out",
+            str(tmp_path / "o"),
+            "--lr",
+            "1e-3",
+        ]
+    )
+    recipe = _round_settings(args).recipe
+    assert recipe.lr == 1e-3  # the flag
+    assert recipe.batch == 8 and recipe.accum == 1  # the tiny student's hints
+    assert recipe.epochs == 3 and recipe.answer_budget == 320  # the SPEC defaults

@@ -165,9 +165,11 @@ def test_notes_kept_while_the_hub_is_down_arrive_in_order(
     ]
     progress = (out / "progress.log").read_text().splitlines()
     assert len(progress) > 5
-    # Every line the trainer and examiners reported reached the hub, in the order they were made.
-    positions = [notes.index(line) for line in progress]
-    assert positions == sorted(positions)
+    # Every line the trainer and examiners reported reached the hub, in the order they were made
+    # (a subsequence: the hub also holds the driver's own notes; alike lines recur).
+    remaining = iter(notes)
+    missing = [line for line in progress if not any(line == note for note in remaining)]
+    assert not missing, missing[:3]
     assert record["hub_ended"]
 
 
