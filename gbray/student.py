@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from gbray.data.fit import IGNORE, Example, chat_prompt_ids, collate
+from gbray.data.fit import IGNORE, Example, collate, fit_prompt
 from gbray.data.turns import TurnIndex, index_folder
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ TINY_HINTS = {
     "max_len": 1024,
     "gradient_checkpointing": False,
     "val_every_minutes": 0.5,
-    "turns_per_hour": 50_000,
+    "turns_per_hour": 80_000,
 }
 
 SHAPES = {
@@ -73,7 +73,7 @@ class StudentSettings:
     size: str = "tiny"
     vocab: int = 1536
     pretrain_seconds: float = 90.0
-    pretrain_max_len: int = 512
+    pretrain_max_len: int = 1024
     pretrain_lr: float = 3e-3
     pretrain_batch: int = 8
     seed: int = 0
@@ -148,26 +148,21 @@ def build_model(size: str, tokenizer, seed: int):
     return model
 
 
+def _fitted_example(
+    tokenizer, system: str, user: str, answer: str, max_len: int, tool: str
+) -> Example:
+    """Prompt fitted as in training (the page's start survives), then the answer; all labelled."""
+    tail = tokenizer(answer, add_special_tokens=False)["input_ids"][: max_len // 4]
+    tail = tail + [tokenizer.eos_token_id]
+    prompt, shortened = fit_prompt(tokenizer, system, user, max_len - len(tail))
+    ids = prompt + tail
+    return Example(ids, list(ids), tool, shortened)
+
+
 def pretraining_example(tokenizer, turn: dict, tool: str, max_len: int) -> Example:
-    """The turn with its answer naming `tool` instead of its own, every token labelled."""
-    match = _TOOL_IN_ANSWER.search(turn["answer"])
-    head, name, rest = (
-        turn["answer"][: match.end(1)],
-        match.group(2),
-        turn["answer"][match.end(2) :],
-    )
-    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    head_ids, name_ids, rest_ids = (
-        encode(head),
-        encode(tool or name),
-        encode(rest) + [tokenizer.eos_token_id],
-    )
-    prompt = chat_prompt_ids(tokenizer, turn["system"], turn["user"])
-    tail = head_ids + name_ids + rest_ids
-    # Keep the end of the prompt (the latest page) and the whole answer.
-    keep = prompt[-(max_len - len(tail)) :]
-    ids = (keep + tail)[:max_len]
-    return Example(ids, list(ids), tool, len(prompt) + len(tail) > max_len)
+    """The turn with its answer naming `tool` instead of its own."""
+    answer = _TOOL_IN_ANSWER.sub(lambda m: m.group(1) + tool + m.group(3), turn["answer"], count=1)
+    return _fitted_example(tokenizer, turn["system"], turn["user"], answer, max_len, tool)
 
 
 READING_TASK = "Repeat the first line of the latest page."
@@ -188,11 +183,9 @@ def first_page_line(user: str) -> str:
 
 def reading_example(tokenizer, turn: dict, max_len: int) -> Example:
     """A reading task that needs no labels: repeat the first line of the latest page."""
-    prompt = chat_prompt_ids(tokenizer, READING_TASK, turn["user"])
-    tail = tokenizer(first_page_line(turn["user"]), add_special_tokens=False)["input_ids"][:64]
-    tail = tail + [tokenizer.eos_token_id]
-    ids = (prompt[-(max_len - len(tail)) :] + tail)[:max_len]
-    return Example(ids, list(ids), "", len(prompt) + len(tail) > max_len)
+    return _fitted_example(
+        tokenizer, READING_TASK, turn["user"], first_page_line(turn["user"]), max_len, ""
+    )
 
 
 def pretrain(model, tokenizer, turns: list[dict], settings: StudentSettings) -> dict:
