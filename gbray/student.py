@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from gbray.data.fit import IGNORE, Example, collate, fit_prompt
+from gbray.data.fit import Example, collate, fit_prompt
 from gbray.data.turns import TurnIndex, index_folder
 
 log = logging.getLogger(__name__)
@@ -222,7 +222,6 @@ def pretrain(model, tokenizer, turns: list[dict], settings: StudentSettings) -> 
             for group in optimizer.param_groups:
                 group["lr"] = settings.pretrain_lr * frac
             tensors = collate(batch, tokenizer.pad_token_id)
-            tensors["labels"][tensors["attention_mask"] == 0] = IGNORE
             loss = model(**tensors).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
