@@ -69,7 +69,6 @@ class Examiner:
         self.report, self.should_stop = report, should_stop
         self.model, self.tokenizer = load_student(model_path, adapter, precision, trainable=False)
         self.model.to(self.device).eval()
-        self.tokenizer.padding_side = "left"
 
     @torch.no_grad()
     def answer(self, prompts: list[list[int]], budget: int) -> list[str]:

@@ -30,3 +30,15 @@ def tokenizer(raw_student):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(raw_student)
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """One local Ray per test module. A secret-named variable is set first, so the process records
+    of the driver and of actors can be checked for leaving it out."""
+    import ray
+
+    os.environ["GBRAY_TEST_API_KEY"] = "must-not-leak"
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()

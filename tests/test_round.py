@@ -14,15 +14,6 @@ BUDGET_MINUTES = 2.0
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def unseen(tmp_path_factory):
     from gbray.data.synth import SynthSettings, write_corpus
     from gbray.student import StudentSettings, build_student
@@ -161,3 +152,5 @@ def test_process_record_holds_no_secrets(finished_round):
     for proc in (record["driver"], record["trainer_process"]):
         assert proc["interpreter"] and proc["pid"]
         assert not [k for k in proc["environment"] if "TOKEN" in k.upper() or "KEY" in k.upper()]
+        assert "PATH" in proc["environment"]  # the record is not simply empty
+    assert "must-not-leak" not in json.dumps(record)

@@ -13,15 +13,6 @@ from hubutil import HubProcess, free_port
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 @pytest.fixture
 def hub(tmp_path, corpus):
     h = HubProcess(tmp_path / "hub")

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from gbray.data.sampler import draw
-from gbray.data.turns import BadLines, parse_turn, tool_of_raw_line
+from gbray.data.turns import BadLines, parse_turn
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS turns (
@@ -115,14 +115,8 @@ class Store:
                 for number, raw in enumerate(f, start=1):
                     if not raw.strip():
                         continue
-                    turn = (
-                        parse_turn(raw, f"{path.name}:{number}", bad)
-                        if tool_of_raw_line(raw)
-                        else None
-                    )
+                    turn = parse_turn(raw, f"{path.name}:{number}", bad)
                     if turn is None:
-                        if not tool_of_raw_line(raw):
-                            bad.add("no tool", f"{path.name}:{number}")
                         continue
                     rows[split].append(
                         (split, turn["job"], turn["tool"], turn["tier"], raw.decode().strip())
