@@ -89,16 +89,6 @@ def wrap_lora(model, scope: str, r: int, alpha: int, dropout: float):
     return get_peft_model(model, config)
 
 
-def fetch_adapter(adapter: str, into: Path) -> Path:
-    """A local adapter folder as is; `hub:<name>` needs a hub, which this build does not have."""
-    if adapter.startswith("hub:"):
-        raise ValueError(f"{adapter}: fetching adapters from a hub needs --hub (not available yet)")
-    path = Path(adapter)
-    if not (path / "adapter_config.json").is_file():
-        raise ValueError(f"{adapter} is not an adapter folder (no adapter_config.json)")
-    return path
-
-
 def load_student(
     model_path, adapter: str | None, precision: str, trainable: bool, lora: dict | None = None
 ):
