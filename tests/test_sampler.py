@@ -1,4 +1,7 @@
+import random
 from collections import Counter
+
+import pytest
 
 from gbray.data.sampler import CAP_SHARE, FLOOR, draw, quotas
 
@@ -27,11 +30,62 @@ def test_floor_cap_and_budget():
     assert counts["read"] <= int(CAP_SHARE * 120)
 
 
-def test_cap_gives_way_only_when_the_corpus_cannot_fill_the_budget():
+def test_the_cap_holds_when_the_corpus_cannot_fill_the_budget_under_it():
     tools, tiers = corpus()
     counts = Counter(tools[i] for i in draw(tools, tiers, 200, seed=1))
-    assert sum(counts.values()) == 200
+    assert sum(counts.values()) <= 200
+    assert max(counts.values()) <= int(CAP_SHARE * 200)
     assert counts["open"] >= counts["read"] >= counts["rare0"]
+
+
+def skewed_corpus(n_tools: int, size: int, seed: int) -> tuple[list[str], list[str]]:
+    """A Zipf-like corpus: the field's shape (a few big tools, a long tail)."""
+    rng = random.Random(seed)
+    weights = [1 / (k + 1) ** rng.uniform(0.6, 1.4) for k in range(n_tools)]
+    tools = rng.choices([f"t{k}" for k in range(n_tools)], weights=weights, k=size)
+    return tools, [rng.choice(("gold", "silver")) for _ in tools]
+
+
+@pytest.mark.parametrize(
+    "n_tools,size,seed", [(25, 300, 0), (40, 500, 1), (3, 60, 2), (12, 97, 3), (60, 240, 4)]
+)
+def test_never_over_budget_for_any_budget(n_tools, size, seed):
+    tools, tiers = skewed_corpus(n_tools, size, seed)
+    counts = Counter(tools)
+    for want in range(1, size + 1):
+        q = quotas(dict(counts), want)
+        assert sum(q.values()) <= want, (want, q)
+        assert max(q.values()) <= max(1, int(CAP_SHARE * want)), (want, q)
+        assert all(0 <= q[t] <= counts[t] for t in counts)
+        if want >= len(counts) * FLOOR * 2:
+            # Floors that fit (under the cap) are kept.
+            least = min(FLOOR, min(counts.values()), int(CAP_SHARE * want))
+            assert min(q.values()) >= least, (want, q)
+    assert len(draw(tools, tiers, 60, seed=seed)) <= 60
+
+
+def test_sixty_of_twenty_five_tools_is_sixty():
+    tools, tiers = skewed_corpus(25, 2000, 9)
+    picked = draw(tools, tiers, 60, seed=0)
+    assert len(picked) == 60 and len(set(picked)) == 60
+    assert all(n >= 1 for n in Counter(tools[i] for i in picked).values())
+
+
+def test_a_cpu_slice_over_the_synthetic_corpus_keeps_its_shape(tmp_path):
+    from gbray.data.synth import SynthSettings, write_corpus
+    from gbray.data.turns import index_folder
+
+    write_corpus(SynthSettings(out=tmp_path, turns=4000, eval_turns=50, seed=0, prompt_tokens=80))
+    train, _ = index_folder(tmp_path)
+    corpus_counts = Counter(train.tools)
+    assert len(corpus_counts) == 40
+    picked = Counter(train.tools[i] for i in draw(train.tools, train.tiers, 120, seed=3))
+    assert sum(picked.values()) == 120
+    (top, n_top), (second, n_second) = corpus_counts.most_common(2)
+    share = 120 * n_top / len(train)
+    assert picked[top] == min(int(CAP_SHARE * 120), round(share)) > FLOOR
+    assert picked[second] == round(120 * n_second / len(train))
+    assert picked[top] > picked[second] > sorted(picked.values())[len(picked) // 2]
 
 
 def test_proportional_between_uncapped_tools():
