@@ -88,12 +88,24 @@ def cmd_student(args) -> int:
 
 
 def _round_settings(args) -> RoundSettings:
-    hints = student_hints(args.model)
+    """Flags, then the field's environment variables (GB_HUB, GB_TOKEN, GB_DEVICE), then a
+    student's own hints, then the defaults."""
+    hints = student_hints(getattr(args, "model", ""))
     if hints:
         log.info("student suggests %s (flags given win)", json.dumps(hints))
     recipe = from_args(Recipe, args, hints=hints)
-    token = getattr(args, "token", None) or os.environ.get("GBRAY_TOKEN")
-    return from_args(RoundSettings, args, recipe=recipe, token=token)
+    env = os.environ.get
+    return from_args(
+        RoundSettings,
+        args,
+        recipe=recipe,
+        hub=getattr(args, "hub", None) or env("GB_HUB") or None,
+        token=getattr(args, "token", None) or env("GB_TOKEN") or env("GBRAY_TOKEN") or None,
+        device_name=getattr(args, "device_name", None)
+        or env("GB_DEVICE")
+        or env("COMPUTERNAME")
+        or None,
+    )
 
 
 def cmd_trial(args) -> int:
@@ -101,17 +113,20 @@ def cmd_trial(args) -> int:
 
     record = run_trial(_round_settings(args))
     result = record["result"]
+    if result is None:
+        print(f"gbray: {record['why']}", file=sys.stderr)
     print(
         json.dumps(
             {
                 "trial_json": str(args.out / "trial.json"),
                 "candidate": record["candidate"],
                 "paper": record["paper"]["id"],
-                "agreement": result["agreement"] if result else None,
+                "agreement_pct": result["agreement_pct"] if result else None,
+                "status": record["status"],
             }
         )
     )
-    return 0 if result is not None else 1
+    return 0 if record["status"] in ("done", "stopped") else 1
 
 
 def cmd_round(args) -> int:
@@ -120,7 +135,7 @@ def cmd_round(args) -> int:
     settings = _round_settings(args)
     record = run_round(settings)
     print(json.dumps(summary_line(record, settings.out)))
-    return 0 if record["status"] in ("ended", "stopped") else 1
+    return 0 if record["status"] in ("done", "stopped") else 1
 
 
 def per_tool_table(baseline: dict | None, result: dict | None) -> str:
@@ -215,7 +230,7 @@ def cmd_demo(args) -> int:
         print()
         print(per_tool_table(baseline, result))
         print()
-        fmt = lambda e: f"{e['agreement']:.1f}% ({e['right']}/{e['turns']})" if e else "n/a"  # noqa: E731
+        fmt = lambda e: f"{e['agreement_pct']:.1f}% ({e['right']}/{e['turns']})" if e else "n/a"  # noqa: E731
         print(
             f"agreement on paper {record['paper']['id']} ({record['paper']['turns']} turns): "
             f"before {fmt(baseline)}, after {fmt(result)}; beat the baseline: {record['beat']}"
@@ -245,7 +260,7 @@ def cmd_demo(args) -> int:
     finally:
         hub.stop()
     print(json.dumps(summary_line(record, round_out)))
-    return 0 if record["status"] == "ended" else 1
+    return 0 if record["status"] == "done" else 1
 
 
 def cmd_hub_serve(args) -> int:

@@ -24,6 +24,11 @@ log = logging.getLogger(__name__)
 NO_TOOL = "(no tool)"
 
 
+class ExamStopped(Exception):
+    """The owner asked the round to stop during this exam: there is no result (a partial exam is
+    never one)."""
+
+
 def score(asked: list[str], answered: list[str | None]) -> dict:
     """Agreement and per-tool counts: right / asked, and what was answered instead."""
     per_tool: dict[str, dict] = defaultdict(lambda: {"asked": 0, "right": 0, "instead": Counter()})
@@ -38,7 +43,7 @@ def score(asked: list[str], answered: list[str | None]) -> dict:
             row["instead"][got or NO_TOOL] += 1
     n = len(asked)
     return {
-        "agreement": round(100.0 * right / n, 2) if n else 0.0,
+        "agreement_pct": round(100.0 * right / n, 2) if n else 0.0,
         "right": right,
         "turns": n,
         "no_tool": sum(1 for a in answered if a is None),
@@ -98,11 +103,9 @@ class Examiner:
         # Similar lengths together: less padding, same answers.
         order = sorted(range(len(turns)), key=lambda i: len(fitted[i][0]))
         results: dict[int, str] = {}
-        stopped = False
         for i in range(0, len(order), batch):
             if self.should_stop():
-                stopped = True
-                break
+                raise ExamStopped(f"stopped after {len(results)} of {len(turns)} turns")
             chunk = order[i : i + batch]
             for j, text in zip(
                 chunk, self.answer([fitted[j][0] for j in chunk], answer_budget), strict=True
@@ -128,7 +131,6 @@ class Examiner:
                 "pid": os.getpid(),
                 "shortened": sum(f[1] for f in fitted),
                 "samples": samples,
-                "stopped": stopped,
                 "threads": self.threads,
             }
         )

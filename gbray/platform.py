@@ -12,10 +12,16 @@ from pathlib import Path
 _SECRET_MARKS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL")
 
 
+# Whether this process has run prepare_torch_import (it must run before the first `import torch`).
+TORCH_IMPORT_PREPARED = False
+
+
 def prepare_torch_import() -> None:
     """On Windows a browser-started process could not import torch (WinError 1114 from c10.dll
     under the loader flags torch uses); loading c10.dll once under default search rules first
-    fixes it. Elsewhere this does nothing."""
+    fixes it. Elsewhere this does nothing. Runs when the gbray package is imported."""
+    global TORCH_IMPORT_PREPARED
+    TORCH_IMPORT_PREPARED = True
     if sys.platform != "win32":
         return
     import ctypes
@@ -32,7 +38,6 @@ def prepare_torch_import() -> None:
 def set_threads(threads: int) -> int:
     """Pin torch's intra-op threads; 0 means the CPUs this process may use. Returns the count.
     Oversubscribed threads are catastrophic: two 2-thread torch processes on 2 cores ran 10x slower."""
-    prepare_torch_import()
     import torch
 
     n = threads if threads > 0 else available_cpus()

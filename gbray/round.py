@@ -19,7 +19,7 @@ from pathlib import Path
 from gbray.data.sampler import draw
 from gbray.data.turns import DataError, TurnIndex, index_folder
 from gbray.platform import available_cpus, process_record
-from gbray.settings import Recipe, RoundSettings, as_record
+from gbray.settings import Recipe, RoundSettings, as_record, locate_model
 
 log = logging.getLogger(__name__)
 
@@ -115,12 +115,6 @@ def _call(ray, hub, method: str, *args):
     return ray.get(hub.call.remote(method, *args)) if hub is not None else None
 
 
-def student_name(model: str) -> str:
-    """A student's name for the baseline cache: its folder name and a hash of its config."""
-    config = (Path(model) / "config.json").read_bytes()
-    return f"{Path(model).name}-{hashlib.sha256(config).hexdigest()[:8]}"
-
-
 def start_name(adapter: str | None) -> str:
     """The start's name on the hub: `bare`, `hub:<id>`, or a hash of a local adapter's weights
     (never a local path: two machines must agree on the name)."""
@@ -154,6 +148,20 @@ def hub_work(ray, hub, recipe: Recipe, with_slice: bool = True) -> Work | None:
     )
 
 
+def wait_unless_stopped(ray, ref, hub, what: str):
+    """The value of `ref`, unless the owner says stop first: then Stopped, within a few seconds
+    (the caller kills the actor, so nothing more is computed)."""
+    from gbray.examiner import ExamStopped
+
+    while not ray.wait([ref], timeout=1.0)[0]:
+        if hub is not None and ray.get(hub.stopped.remote()):
+            raise Stopped(f"stopped by the owner during {what}")
+    try:
+        return ray.get(ref)
+    except ExamStopped as e:
+        raise Stopped(f"stopped by the owner during {what}") from e
+
+
 def run_exam(
     ray,
     model: str,
@@ -173,12 +181,17 @@ def run_exam(
     )
     try:
         ref = actor.exam.remote(paper, recipe.answer_budget, recipe.max_len, recipe.exam_batch)
-        while not ray.wait([ref], timeout=1.0)[0]:
-            if hub is not None and ray.get(hub.stopped.remote()):
-                raise Stopped(f"stopped by the owner during the {what} exam")
-        return ray.get(ref)
+        return wait_unless_stopped(ray, ref, hub, f"the {what} exam")
     finally:
         ray.kill(actor, no_restart=True)
+
+
+def on_the_wire(exam: dict | None) -> dict | None:
+    """An exam result as the hub protocol carries it: `agreement_pct` and `turns` first."""
+    if not exam:
+        return None
+    keep = ("agreement_pct", "turns", "right", "no_tool", "minutes", "source", "by")
+    return {k: exam[k] for k in keep if k in exam}
 
 
 def new_round_id() -> str:
@@ -203,6 +216,9 @@ class Round:
     def __init__(self, settings: RoundSettings):
         settings.validate()
         self.settings = settings
+        # The student is found (or refused) before anything starts.
+        model_dir, self.student_id = locate_model(settings.model)
+        self.model = str(model_dir)
         self.started = time.time()
         self.out = Path(settings.out)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -235,16 +251,16 @@ class Round:
             self.hub = HubActor.remote(
                 {"url": s.hub, "token": s.token, "device": self.device_name()}
             )
-        self.model = str(Path(s.model).resolve())
 
     def device_name(self) -> str:
         import socket
 
         return self.settings.device_name or socket.gethostname()
 
-    def get_work(self) -> Work:
-        work = hub_work(self.ray, self.hub, self.recipe) if self.hub is not None else None
-        if work is None and self.hub is not None:
+    def get_work(self, with_slice: bool = True) -> Work:
+        fetch = self.hub is not None and self.settings.fetch
+        work = hub_work(self.ray, self.hub, self.recipe, with_slice) if fetch else None
+        if work is None and fetch:
             log.warning(
                 "hub: no slice or paper; %s",
                 "using the local data folder" if self.local else "no fallback",
@@ -254,8 +270,24 @@ class Round:
                 raise DataError(
                     "the hub could not be reached and there is no --data to fall back on"
                 )
-            work = local_work(Path(self.settings.data), *self.local, self.recipe)
+            if with_slice:
+                work = local_work(Path(self.settings.data), *self.local, self.recipe)
+            else:
+                exam, paper_id = paper_of(self.local[1], self.recipe.exam_turns)
+                scope = f"local:{Path(self.settings.data).resolve()}"
+                work = Work([], [], exam, paper_id, scope, {})
         return work
+
+    def register(self, work: Work, **extra) -> str | None:
+        """The round on the hub, before any model is loaded: `base` is the student's model id;
+        the start is named in the recipe."""
+        recipe = {
+            **as_record(self.recipe),
+            "student": self.student_id,
+            "start": start_name(self.settings.adapter),
+            **extra,
+        }
+        return _call(self.ray, self.hub, "register", self.student_id, len(work.train), recipe)
 
     def start_adapter(self) -> str | None:
         adapter = self.settings.adapter
@@ -276,7 +308,7 @@ class Round:
             "paper": work.paper_id,
             "turns": len(work.paper),
             "answer": self.recipe.answer_budget,
-            "student": student_name(self.model),
+            "student": self.student_id,
         }
 
     def exam(self, adapter: str | None, work: Work, what: str) -> dict | None:
@@ -298,47 +330,54 @@ class Round:
         except Stopped:
             raise
         except Exception as e:  # noqa: BLE001 - a crashed exam costs only that exam
-            log.error("%s exam failed: %s", what, e)
-            self.record[f"{what}_error"] = str(e)
+            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            log.error("%s exam failed: %s", what, reason)
+            self.record[f"{what}_error"] = reason
             return None
         self.record.setdefault("exam_pids", []).append(result["pid"])
         self.note(
-            f"{what}: {result['agreement']:.1f}% agreement ({result['right']}/{result['turns']})"
+            f"{what}: {result['agreement_pct']:.1f}% agreement ({result['right']}/{result['turns']})"
         )
         return result
 
-    def baseline_first(self, work: Work, start: str | None) -> tuple[dict | None, bool]:
-        """The baseline before training: (exam or known number, whether to read it at the end instead)."""
-        answer = (
-            _call(self.ray, self.hub, "ask_baseline", self.baseline_key(work)) if self.hub else None
-        )
+    def known_baseline(self, work: Work) -> tuple[dict | None, dict | None]:
+        """(the baseline the hub knows, the hub's answer) for this round's key."""
+        answer = _call(self.ray, self.hub, "ask_baseline", self.baseline_key(work))
         if answer and answer.get("known"):
-            self.note(
-                f"baseline known on the hub: {answer['baseline']:.1f}% (measured by {answer['by']})"
-            )
-            return {"agreement": answer["baseline"], "source": "hub", "by": answer["by"]}, False
-        if answer and not answer.get("measure"):
-            self.note(f"baseline being measured by {answer['by']}; training at once")
-            return None, True
+            return {**answer["baseline"], "source": "hub", "by": answer.get("by")}, answer
+        return None, answer
+
+    def measure_baseline(self, work: Work, start: str | None) -> dict | None:
         # A freshly wrapped LoRA equals the bare start, so the baseline needs no trained model.
         baseline = self.exam(start, work, "baseline")
         if baseline is not None and self.hub is not None:
             _call(
-                self.ray, self.hub, "tell_baseline", self.baseline_key(work), baseline["agreement"]
-            )
-        return baseline, False
-
-    def baseline_late(self, work: Work, start: str | None) -> dict | None:
-        answer = _call(self.ray, self.hub, "ask_baseline", self.baseline_key(work))
-        if answer and answer.get("known"):
-            return {"agreement": answer["baseline"], "source": "hub", "by": answer["by"]}
-        self.note("the baseline never arrived; measuring the start now")
-        baseline = self.exam(start, work, "baseline")
-        if baseline is not None:
-            _call(
-                self.ray, self.hub, "tell_baseline", self.baseline_key(work), baseline["agreement"]
+                self.ray, self.hub, "tell_baseline", self.baseline_key(work), on_the_wire(baseline)
             )
         return baseline
+
+    def baseline_first(self, work: Work, start: str | None) -> tuple[dict | None, bool]:
+        """The baseline before training: (exam or known number, whether to read it at the end instead)."""
+        if self.settings.skip_baseline:
+            self.note("baseline skipped (--skip-baseline)")
+            return None, False
+        known, answer = self.known_baseline(work)
+        if known:
+            self.note(
+                f"baseline known on the hub: {known['agreement_pct']:.1f}% (measured by {known['by']})"
+            )
+            return known, False
+        if answer and not answer.get("measure"):
+            self.note(f"baseline being measured by {answer.get('by')}; training at once")
+            return None, True
+        return self.measure_baseline(work, start), False
+
+    def baseline_late(self, work: Work, start: str | None) -> dict | None:
+        known, _ = self.known_baseline(work)
+        if known:
+            return known
+        self.note("the baseline never arrived; measuring the start now")
+        return self.measure_baseline(work, start)
 
     def train(self, work: Work, start: str | None) -> dict:
         from gbray.actors import TrainerActor
@@ -351,23 +390,20 @@ class Round:
         try:
             self.record["trainer_pid"] = ray.get(trainer.pid.remote())
             self.record["trainer_process"] = ray.get(trainer.process.remote())
-            return ray.get(trainer.train.remote(ray.put(work.train), work.val))
+            ref = trainer.train.remote(ray.put(work.train), work.val)
+            summary = wait_unless_stopped(ray, ref, self.hub, "training")
         finally:
             # Free its CPUs (and memory) for the examiner; everything it made is on disk.
             ray.kill(trainer, no_restart=True)
+        if summary["why"] == "stopped":
+            raise Stopped("stopped by the owner during training")
+        return summary
 
     def run(self) -> dict:
         self.setup()
         s, recipe, record = self.settings, self.recipe, self.record
-        work = self.get_work()
-        hub_round = _call(
-            self.ray,
-            self.hub,
-            "register",
-            start_name(s.adapter),
-            len(work.train),
-            {**as_record(recipe), "student": student_name(self.model)},
-        )
+        work = self.get_work(with_slice=not s.measure_only)
+        hub_round = self.register(work, measure_only=s.measure_only)
         start = self.start_adapter()
         record.update(
             {
@@ -376,11 +412,13 @@ class Round:
                 "device": recipe.device,
                 "device_name": self.device_name(),
                 "student": self.model,
-                "student_name": student_name(self.model),
+                "student_name": self.student_id,
                 "carried_from": s.adapter,
                 "start": start_name(s.adapter),
                 "draw_seed": recipe.seed,
                 "recipe": as_record(recipe),
+                "measure_only": s.measure_only,
+                "skip_baseline": s.skip_baseline,
                 "paper": {"id": work.paper_id, "scope": work.scope, "turns": len(work.paper)},
                 "slice_turns": len(work.train),
                 "val_turns": len(work.val),
@@ -397,15 +435,17 @@ class Round:
             baseline, deferred = self.baseline_first(work, start)
             record["baseline"] = baseline
             self.write()
+            if s.measure_only:
+                record["why"] = "measure only: the start was examined, nothing trained"
+                record["status"] = "done" if baseline is not None else "failed"
+                return record
             summary = self.train(work, start)
             record.update(self.from_summary(summary))
             self.write()
-            if summary["why"] == "stopped":
-                raise Stopped("stopped by the owner during training")
             result = self.exam(summary["best"], work, "result")
             if deferred:
                 baseline = self.baseline_late(work, start)
-            record["status"] = "ended" if result is not None else "exam failed"
+            record["status"] = "done" if result is not None else "failed"
         except Stopped as e:
             self.note(str(e))
             record["status"], record["why"] = "stopped", str(e)
@@ -419,7 +459,9 @@ class Round:
                 baseline=baseline,
                 result=result,
                 minutes=round((time.time() - self.started) / 60, 2),
-                beat=bool(baseline and result and result["agreement"] > baseline["agreement"]),
+                beat=bool(
+                    baseline and result and result["agreement_pct"] > baseline["agreement_pct"]
+                ),
             )
             self.write()
             self.report_to_hub(work, summary)
@@ -449,28 +491,34 @@ class Round:
             "adapter_last": summary["last"],
         }
 
+    def why_sentence(self) -> str:
+        record = self.record
+        if record.get("status") == "done" and "steps" in record:
+            return (
+                f"training stopped ({record['why']}) after {record['steps']} steps and "
+                f"{record['turns_trained']} turns; result examined on {record['paper']['turns']} turns"
+            )
+        return str(record.get("why") or record.get("result_error") or record.get("status"))
+
     def report_to_hub(self, work: Work, summary: dict) -> None:
-        """Upload the adapter and end the round on the hub (both retried inside the client)."""
+        """Upload the adapter and end the round on the hub (both retried inside the client).
+        A stopped round uploads nothing: a stop is a stop."""
         if self.hub is None or not self.record.get("hub_round"):
             return
         record = self.record
-        adapter = record.get("adapter")
+        adapter = record.get("adapter") if record["status"] != "stopped" else None
         name = self.ray.get(self.hub.put_adapter.remote(adapter)) if adapter else None
-
-        def agreement(key):
-            return (record.get(key) or {}).get("agreement")
-
         ok = _call(
             self.ray,
             self.hub,
             "end",
             {
                 "status": record["status"],
-                "baseline": agreement("baseline"),
-                "result": agreement("result"),
+                "baseline": on_the_wire(record.get("baseline")),
+                "result": on_the_wire(record.get("result")),
                 "adapter": name,
                 "paper": work.paper_id,
-                "why": record.get("why"),
+                "why": self.why_sentence(),
                 "trained": summary.get("turns_trained", 0),
                 "drawSeed": self.recipe.seed,
                 "perTool": per_tool(record.get("baseline"), record.get("result")),
@@ -486,30 +534,58 @@ def run_round(settings: RoundSettings) -> dict:
 
 
 def run_trial(settings: RoundSettings) -> dict:
-    """Score a candidate (the bare student or an adapter) on the paper: trains nothing, takes no turns."""
+    """Score a candidate (the bare student or an adapter) on the paper: trains nothing, takes no
+    turns. On the hub it is a round of its own (registered, notes, ended with its result and
+    `trained: 0`), so the status page lists every candidate's score."""
     rnd = Round(settings)
     rnd.setup()
-    work = hub_work(rnd.ray, rnd.hub, rnd.recipe, with_slice=False) if rnd.hub is not None else None
-    if work is None:
-        if rnd.local is None:
-            raise DataError("the hub could not be reached and there is no --data to fall back on")
-        exam, paper_id = paper_of(rnd.local[1], rnd.recipe.exam_turns)
-        work = Work([], [], exam, paper_id, f"local:{Path(settings.data).resolve()}", {})
-    result = rnd.exam(rnd.start_adapter(), work, "trial")
-    record = {
-        "candidate": start_name(settings.adapter),
-        "student": student_name(rnd.model),
-        "paper": {"id": work.paper_id, "scope": work.scope, "turns": len(work.paper)},
-        "result": result,
-    }
-    (rnd.out / "trial.json").write_text(json.dumps(record, indent=2))
+    work = rnd.get_work(with_slice=False)
+    candidate = start_name(settings.adapter)
+    hub_round = rnd.register(work, trial=True)
+    status, why, result = "failed", f"trial of {candidate} failed", None
+    try:
+        result = rnd.exam(rnd.start_adapter(), work, "trial")
+        if result is None:
+            why = f"trial of {candidate} failed: {rnd.record.get('trial_error')}"
+        else:
+            status = "done"
+            why = f"trial of {candidate}: {result['agreement_pct']:.1f}% on {result['turns']} turns"
+    except Stopped as e:
+        status, why = "stopped", str(e)
+    except Exception as e:
+        why = f"trial of {candidate} failed: {e}"
+        raise
+    finally:
+        record = {
+            "round": rnd.record["round"],
+            "hub_round": hub_round,
+            "status": status,
+            "why": why,
+            "candidate": candidate,
+            "student": rnd.student_id,
+            "paper": {"id": work.paper_id, "scope": work.scope, "turns": len(work.paper)},
+            "result": result,
+        }
+        (rnd.out / "trial.json").write_text(json.dumps(record, indent=2))
+        if hub_round:
+            end = {
+                "status": status,
+                "baseline": None,
+                "result": on_the_wire(result),
+                "adapter": candidate,
+                "paper": work.paper_id,
+                "why": why,
+                "trained": 0,
+                "perTool": per_tool(None, result),
+            }
+            _call(rnd.ray, rnd.hub, "end", end)
     return record
 
 
 def summary_line(record: dict, out: Path) -> dict:
     def agreement(key):
         exam = record.get(key)
-        return exam["agreement"] if exam else None
+        return exam["agreement_pct"] if exam else None
 
     return {
         "round_json": str(Path(out) / "round.json"),

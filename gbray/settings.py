@@ -27,7 +27,9 @@ class Recipe:
     )
     epochs: float = setting(3.0, "passes over the slice")
     turns: int | None = setting(
-        None, "slice size; default 10000 on a GPU, max(120, hours*turns_per_hour/epochs) on a CPU"
+        None,
+        "slice size; default 10000 on a GPU, max(120, hours*turns_per_hour/epochs) on a CPU",
+        aliases=("--slice",),
     )
     turns_per_hour: float = setting(
         40.0, "turn-passes a CPU does in an hour (a sighted turn: ~100 s a pass on a laptop)"
@@ -45,7 +47,14 @@ class Recipe:
     )
     max_len: int = setting(4096, "tokens per turn; longer prompts are fitted, never dropped")
     answer_room: int = setting(96, "answer tokens a fitted prompt always leaves room for")
-    val_turns: int = setting(64, "held-out turns for the validation loss")
+    val_turns: int = setting(
+        64, "held-out turns for the validation loss", aliases=("--validate-turns",)
+    )
+    validate_every: float | None = setting(
+        None,
+        "validation interval in the device's unit: minutes on a CPU, optimizer steps on a GPU "
+        "(--val-every-minutes and --val-every-steps name the unit)",
+    )
     val_every_minutes: float | None = setting(
         None, "minutes between validations; default 60 on a CPU, off on a GPU"
     )
@@ -61,19 +70,24 @@ class Recipe:
     grad_clip: float = setting(1.0, "gradient norm clip")
     weight_decay: float = setting(0.0, "AdamW weight decay")
     answer_budget: int = setting(320, "tokens the exam lets the student answer with")
-    exam_turns: int | None = setting(None, "turns on the paper; default 150 on a CPU, 500 on a GPU")
+    exam_turns: int | None = setting(
+        None, "turns on the paper; default 150 on a CPU, 500 on a GPU", aliases=("--eval-turns",)
+    )
     exam_batch: int = setting(16, "turns generated together in an exam")
     precision: str = setting(
         "float32",
-        "float32, or bfloat16 on a GPU; the exam uses the same",
+        "float32 or bfloat16 (--bf16); the exam uses the same",
         choices=("float32", "bfloat16"),
+        shortcut=("--bf16", "bfloat16"),
     )
     threads: int = setting(0, "torch threads per actor; 0: the CPUs Ray gave the actor")
     gradient_checkpointing: bool = setting(
         True, "recompute activations (memory stops growing with depth)"
     )
     seed: int | None = setting(None, "training draw seed; default from the clock, so rounds move")
-    device: str = setting("auto", "auto, cpu or cuda", choices=("auto", "cpu", "cuda"))
+    device: str = setting(
+        "auto", "auto, cpu (--cpu) or cuda", choices=("auto", "cpu", "cuda"), shortcut=("--cpu", "cpu")
+    )
 
     def validate(self) -> None:
         problems = []
@@ -103,6 +117,8 @@ class Recipe:
             problems.append("--turns must be >= 1")
         if self.exam_turns is not None and self.exam_turns < 1:
             problems.append("--exam-turns must be >= 1")
+        if self.validate_every is not None and not self.validate_every > 0:
+            problems.append("--validate-every must be > 0")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -112,16 +128,17 @@ class Recipe:
         turns = self.turns or (
             10_000 if gpu else max(120, math.ceil(self.hours * self.turns_per_hour / self.epochs))
         )
+        minutes, steps = (0.0, 200) if gpu else (60.0, 0)
+        if self.validate_every is not None:
+            minutes, steps = (0.0, round(self.validate_every)) if gpu else (self.validate_every, 0)
         return dataclasses.replace(
             self,
             device=device,
             turns=turns,
             val_every_minutes=self.val_every_minutes
             if self.val_every_minutes is not None
-            else (0.0 if gpu else 60.0),
-            val_every_steps=self.val_every_steps
-            if self.val_every_steps is not None
-            else (200 if gpu else 0),
+            else minutes,
+            val_every_steps=self.val_every_steps if self.val_every_steps is not None else steps,
             exam_turns=self.exam_turns or (500 if gpu else 150),
             seed=self.seed if self.seed is not None else int(time.time() * 1000) % 2**31,
         )
@@ -136,12 +153,17 @@ class Recipe:
         }
 
 
+DEFAULT_STUDENT = "Qwen/Qwen2.5-0.5B-Instruct"
+
+
 @dataclass(frozen=True)
 class RoundSettings:
     """Where a round gets its work, what it trains, where it writes."""
 
     model: str = setting(
-        None, "student model folder (from `gbray student`, or any causal LM)", required=True
+        DEFAULT_STUDENT,
+        "student: a model folder (from `gbray student`, or any causal LM) or a Hugging Face "
+        "model id, taken from the local cache or downloaded",
     )
     out: Path = setting(None, "output folder for round.json, adapters and logs", required=True)
     data: Path | None = setting(
@@ -150,47 +172,128 @@ class RoundSettings:
         "when the hub cannot be reached)",
     )
     adapter: str | None = setting(None, "carry on from this adapter: a folder, or hub:NAME")
-    hub: str | None = setting(None, "hub URL: take the slice and paper from it and report to it")
-    token: str | None = setting(None, "hub bearer token (default: $GBRAY_TOKEN)")
+    hub: str | None = setting(
+        None, "hub URL: take the slice and paper from it and report to it (default: $GB_HUB)"
+    )
+    token: str | None = setting(None, "hub bearer token (default: $GB_TOKEN, then $GBRAY_TOKEN)")
     device_name: str | None = setting(
-        None, "this machine's name on the hub (default: the host name)"
+        None, "this machine's name on the hub (default: $GB_DEVICE, $COMPUTERNAME, the host name)"
+    )
+    fetch: bool = setting(
+        True, "take the slice and paper from the hub (--no-fetch: from --data, still reporting)"
+    )
+    measure_only: bool = setting(
+        False, "measure the start on the paper, tell the hub, and stop: no training"
+    )
+    skip_baseline: bool = setting(
+        False, "do not measure the start: train, then examine the result only"
     )
     address: str | None = setting(None, "Ray cluster address; default: a local Ray")
     recipe: Recipe = field(default_factory=Recipe)
 
     def validate(self) -> None:
         self.recipe.validate()
-        if not (Path(self.model) / "config.json").is_file():
-            raise ValueError(f"--model {self.model} is not a model folder (no config.json)")
+        problems = []
         if self.data is None and self.hub is None:
-            raise ValueError("a round needs --data, --hub, or both")
+            problems.append("a round needs --data, --hub, or both")
         if self.hub and not self.token:
-            raise ValueError("--hub needs --token (or $GBRAY_TOKEN)")
+            problems.append("--hub needs --token (or $GB_TOKEN)")
         if self.adapter and self.adapter.startswith("hub:") and not self.hub:
-            raise ValueError(f"--adapter {self.adapter} needs --hub")
+            problems.append(f"--adapter {self.adapter} needs --hub")
+        if not self.fetch and self.data is None:
+            problems.append("--no-fetch needs --data")
+        if self.measure_only and self.skip_baseline:
+            problems.append("--measure-only and --skip-baseline exclude each other")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+def locate_model(model: str) -> tuple[Path, str]:
+    """The student's folder and its name: a folder as it is (named by its folder and a hash of
+    its config), or a Hugging Face model id from the local cache, else downloaded (named by its
+    id). Raises ValueError in one line when neither works, before anything else starts."""
+    import hashlib
+
+    folder = Path(model).expanduser()
+    if folder.is_dir():
+        if not (folder / "config.json").is_file():
+            raise ValueError(f"--model {model} is not a model folder (no config.json)")
+        digest = hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()[:8]
+        return folder.resolve(), f"{folder.resolve().name}-{digest}"
+    if model.count("/") != 1 or model.startswith((".", "/", "~")):
+        raise ValueError(f"--model {model} is neither a model folder nor a model id like org/name")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    wanted = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
+    try:
+        return Path(snapshot_download(model, local_files_only=True)), model
+    except LocalEntryNotFoundError:
+        pass
+    except HFValidationError as e:
+        raise ValueError(f"--model {model}: {e}") from e
+    try:
+        return Path(snapshot_download(model, allow_patterns=wanted)), model
+    except Exception as e:  # noqa: BLE001 - network, auth and missing repos all end the same way
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(
+            f"--model {model}: no cached copy, and it could not be downloaded ({reason})"
+        ) from e
+
+
+class _ValueOrShortcut(argparse.Action):
+    """One setting with two spellings, one --help entry: `--precision bfloat16` or `--bf16`."""
+
+    def __init__(self, option_strings, dest, shortcut, const, valid, **kw):
+        super().__init__(option_strings, dest, nargs="?", **kw)
+        self.shortcut, self.shortcut_value, self.valid = shortcut, const, valid
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string == self.shortcut:
+            if values is not None:
+                parser.error(f"{self.shortcut} takes no value")
+            values = self.shortcut_value
+        elif values is None:
+            parser.error(f"{option_string} needs a value")
+        elif self.valid and values not in self.valid:
+            parser.error(f"{option_string}: {values!r} is not one of {', '.join(self.valid)}")
+        setattr(namespace, self.dest, values)
 
 
 def add_fields(
     parser: argparse.ArgumentParser, cls, title: str, only: tuple[str, ...] | None = None
 ) -> None:
-    """One CLI flag per dataclass field, with the field's help and default."""
+    """One CLI entry per dataclass field, with the field's help, default and other spellings."""
     group = parser.add_argument_group(title, cls.__doc__.strip() if cls.__doc__ else None)
     for f in fields(cls):
         if (only is not None and f.name not in only) or "help" not in f.metadata:
             continue
-        flag = "--" + f.name.replace("_", "-")
         meta = f.metadata
+        flags = ["--" + f.name.replace("_", "-"), *meta.get("aliases", ())]
         default = f.default if f.default is not dataclasses.MISSING else None
         kind = str(f.type)
         kwargs = {
             "help": meta["help"] + (f" (default {default})" if default is not None else ""),
             "dest": f.name,
+            "default": argparse.SUPPRESS,
         }
+        if "shortcut" in meta:
+            shortcut, value = meta["shortcut"]
+            group.add_argument(
+                *flags,
+                shortcut,
+                action=_ValueOrShortcut,
+                shortcut=shortcut,
+                const=value,
+                valid=meta.get("choices"),
+                metavar=f.name.upper(),
+                **kwargs,
+            )
+            continue
         if "choices" in meta:
             kwargs["choices"] = meta["choices"]
         if kind.startswith("bool"):
             kwargs["action"] = argparse.BooleanOptionalAction
-            kwargs["default"] = argparse.SUPPRESS
         else:
             kwargs["type"] = (
                 float
@@ -201,9 +304,8 @@ def add_fields(
                 if kind.startswith("Path")
                 else str
             )
-            kwargs["default"] = argparse.SUPPRESS
             kwargs["required"] = meta.get("required", False)
-        group.add_argument(flag, **kwargs)
+        group.add_argument(*flags, **kwargs)
 
 
 def from_args(cls, args: argparse.Namespace, hints: dict | None = None, **extra):

@@ -229,7 +229,8 @@ class Trainer:
             "turns": state.turn_passes,
             "valLoss": value,
             "trainLoss": sum(recent) / len(recent) if recent else None,
-            "best": state.best_val if math.isfinite(state.best_val) else None,
+            "best": gain,  # on the wire a boolean: whether this point is the best so far
+            "bestLoss": state.best_val if math.isfinite(state.best_val) else None,
             "lr": self.optimizer.param_groups[0]["lr"],
         }
         state.checks.append(point)
@@ -369,15 +370,19 @@ class Trainer:
                         state.why = "stopped"
                 if state.why != "finished":
                     break
-        if state.pending:
-            # The leftover gradient of a partial accumulation is applied, not thrown away.
-            self.optimizer_step(state, scheduler)
-        if not state.checks or state.checks[-1]["step"] != state.steps:
-            self.validate(val, state)
-        self.save("last", state)
-        if state.best_step is None:
-            self.save("best", state)
-        self.report(self.progress_line(state, plan, passes_total, epoch, started, deadline))
+        if state.why == "stopped":
+            # A stop is a stop: nothing more is trained, validated or saved.
+            self.report(f"stopped by the owner after {state.steps} steps")
+        else:
+            if state.pending:
+                # The leftover gradient of a partial accumulation is applied, not thrown away.
+                self.optimizer_step(state, scheduler)
+            if not state.checks or state.checks[-1]["step"] != state.steps:
+                self.validate(val, state)
+            self.save("last", state)
+            if state.best_step is None:
+                self.save("best", state)
+            self.report(self.progress_line(state, plan, passes_total, epoch, started, deadline))
         minutes = (self.clock() - started) / 60
         self.report(f"training stopped ({state.why}) after {state.steps} steps, {minutes:.1f} min")
         return {

@@ -79,7 +79,7 @@ def test_demo_end_to_end(tmp_path):
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     record = json.loads((tmp_path / "round" / "round.json").read_text())
     assert summary["beat"] and record["paper"]["turns"] >= 100
-    assert record["result"]["agreement"] - record["baseline"]["agreement"] >= 20
+    assert record["result"]["agreement_pct"] - record["baseline"]["agreement_pct"] >= 20
     assert "must-not-leak" not in (tmp_path / "round" / "round.json").read_text()
     assert "before" in out.stdout and "after" in out.stdout
 

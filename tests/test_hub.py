@@ -116,7 +116,7 @@ def test_notes_checks_stop_and_end(hub):
                 "turns": 40,
                 "valLoss": 0.5,
                 "trainLoss": 0.6,
-                "best": 0.5,
+                "best": True,
                 "lr": 1e-3,
             },
         ).json()
@@ -131,11 +131,18 @@ def test_notes_checks_stop_and_end(hub):
         hub,
         "POST",
         f"/v1/training/rounds/{rid}/end",
-        json={"status": "stopped", "baseline": 1.0, "result": None, "paper": "p-x", "trained": 3},
+        json={
+            "status": "stopped",
+            "baseline": {"agreement_pct": 1.0, "turns": 10},
+            "result": None,
+            "paper": "p-x",
+            "trained": 3,
+        },
     ).ok
     detail = api(hub, "GET", f"/v1/training/rounds/{rid}").json()
     assert [n["line"] for n in detail["notes"]] == ["hello", "more"]
-    assert detail["checks"][0]["valLoss"] == 0.5 and detail["status"] == "stopped"
+    assert detail["checks"][0]["valLoss"] == 0.5 and detail["checks"][0]["best"] is True
+    assert detail["status"] == "stopped" and detail["baseline"] == 1.0
 
 
 def test_concurrent_slices_are_disjoint_and_coverage_counts_trained(hub):
@@ -155,7 +162,7 @@ def test_concurrent_slices_are_disjoint_and_coverage_counts_trained(hub):
             hub,
             "POST",
             f"/v1/training/rounds/{rid}/end",
-            json={"status": "ended", "trained": trained},
+            json={"status": "done", "trained": trained},
         )
     coverage = api(hub, "GET", "/v1/training/state").json()["coverage"]
     assert coverage["trained"] == before + 137
@@ -185,8 +192,11 @@ def test_one_baseline_measurer_and_the_claim_passes_on(hub):
         ask_other(hub, {**key, "answer": 96})["measure"]
         and ask_other(hub, {**key, "student": "other"})["measure"]
     )
-    api(hub, "POST", "/v1/training/baseline", json={**key, "baseline": 12.5})
-    assert ask("d3") == {"known": True, "baseline": 12.5, "measure": False, "by": "laptop"}
+    told = {"agreement_pct": 12.5, "turns": 100}
+    assert api(hub, "POST", "/v1/training/baseline", json={**key, "baseline": told}).ok
+    assert ask("d3") == {"known": True, "baseline": told, "by": "laptop"}
+    # A bare number is not an exam result.
+    assert api(hub, "POST", "/v1/training/baseline", json={**key, "baseline": 3}).status_code == 422
     # A claim whose holder went silent (claim timeout 3 s here) passes to the next asker.
     key2 = {**key, "paper": "p-2"}
     assert ask_other(hub, key2, "first")["measure"]
@@ -252,8 +262,8 @@ def _tgz(members):
 
 
 GOOD = [
-    ("adapter/adapter_config.json", b"{}", "file"),
-    ("adapter/adapter_model.safetensors", b"x" * 10, "file"),
+    ("adapter_config.json", b"{}", "file"),
+    ("adapter_model.safetensors", b"x" * 10, "file"),
 ]
 
 
@@ -264,6 +274,7 @@ GOOD = [
         "absolute",
         "link",
         "no-config",
+        "nested",
         "not-tgz",
         "over-limit",
         "bad-index",
@@ -276,13 +287,16 @@ def test_bad_uploads_are_refused_and_nothing_is_stored(hub, case):
     rid = new_round(hub)
     path = f"/v1/training/rounds/{rid}/adapter"
     if case == "outside":
-        r = api(hub, "PUT", path, data=_tgz([*GOOD, ("adapter/../../evil.txt", b"x", "file")]))
+        r = api(hub, "PUT", path, data=_tgz([*GOOD, ("../../evil.txt", b"x", "file")]))
     elif case == "absolute":
         r = api(hub, "PUT", path, data=_tgz([*GOOD, ("/tmp/evil.txt", b"x", "file")]))
     elif case == "link":
-        r = api(hub, "PUT", path, data=_tgz([*GOOD, ("adapter/passwd", b"", "sym")]))
+        r = api(hub, "PUT", path, data=_tgz([*GOOD, ("passwd", b"", "sym")]))
     elif case == "no-config":
         r = api(hub, "PUT", path, data=_tgz(GOOD[1:]))
+    elif case == "nested":
+        # The field's client loads the extracted folder itself: files under a folder are refused.
+        r = api(hub, "PUT", path, data=_tgz([("a/" + n, d, k) for n, d, k in GOOD]))
     elif case == "not-tgz":
         r = api(hub, "PUT", path, data=b"hello")
     elif case == "over-limit":
@@ -306,7 +320,13 @@ def test_promotion_only_for_a_round_that_beat_its_baseline(hub, tmp_path):
     loser = client.register("bare", 10, {})
     client.put_adapter(fake_adapter(tmp_path / "l", 1))
     client.end(
-        {"status": "ended", "baseline": 20.0, "result": 20.0, "paper": "p-1", "adapter": loser}
+        {
+            "status": "done",
+            "baseline": {"agreement_pct": 20.0, "turns": 150},
+            "result": {"agreement_pct": 20.0, "turns": 150},
+            "paper": "p-1",
+            "adapter": loser,
+        }
     )
     r = api(hub, "POST", f"/v1/training/rounds/{loser}/promote", who="owner")
     assert r.status_code == 409 and "did not beat" in r.json()["detail"]
@@ -317,7 +337,13 @@ def test_promotion_only_for_a_round_that_beat_its_baseline(hub, tmp_path):
     winner = client.register("bare", 10, {})
     client.put_adapter(fake_adapter(tmp_path / "w", 1))
     client.end(
-        {"status": "ended", "baseline": 5.0, "result": 60.0, "paper": "p-1", "adapter": winner}
+        {
+            "status": "done",
+            "baseline": {"agreement_pct": 5.0, "turns": 150},
+            "result": {"agreement_pct": 60.0, "turns": 150},
+            "paper": "p-1",
+            "adapter": winner,
+        }
     )
     assert (
         api(hub, "POST", f"/v1/training/rounds/{winner}/promote").status_code == 403
@@ -382,8 +408,8 @@ def test_page_and_openapi(hub):
 @pytest.mark.parametrize(
     "members",
     [
-        [*GOOD, ("adapter/../../../tmp/evil.txt", b"x", "file")],
-        [*GOOD, ("adapter/link", b"", "sym")],
+        [*GOOD, ("../../../tmp/evil.txt", b"x", "file")],
+        [*GOOD, ("link", b"", "sym")],
     ],
 )
 def test_fetched_adapter_extraction_refuses_escapes_and_links(tmp_path, members):

@@ -97,7 +97,7 @@ def test_round_json_is_complete(finished_round):
         "paper",
     ):
         assert key in on_disk, key
-    assert on_disk["status"] == "ended"
+    assert on_disk["status"] == "done"
     assert on_disk["bad_lines"]["train"]["total"] == 2
     assert on_disk["result"]["per_tool"] and on_disk["baseline"]["per_tool"]
     assert on_disk["paper"]["turns"] == 100
@@ -106,8 +106,8 @@ def test_round_json_is_complete(finished_round):
 
 def test_result_beats_baseline_on_an_unseen_corpus(finished_round):
     record, _, _ = finished_round
-    assert record["beat"], (record["baseline"]["agreement"], record["result"]["agreement"])
-    assert record["result"]["agreement"] > record["baseline"]["agreement"]
+    assert record["beat"], (record["baseline"]["agreement_pct"], record["result"]["agreement_pct"])
+    assert record["result"]["agreement_pct"] > record["baseline"]["agreement_pct"]
 
 
 def test_exams_run_in_their_own_processes_and_end(finished_round):

@@ -1,7 +1,9 @@
 """Rounds against a real hub on 127.0.0.1 (up, down, restarted, stopping them) on real Ray."""
 
+import io
 import json
 import subprocess
+import tarfile
 import sys
 import threading
 import time
@@ -88,13 +90,29 @@ def test_round_through_the_hub_is_live_and_stored(ray_local, hub, corpus, raw_st
     assert seen_live, "no progress line reached the hub while the round ran"
     rid = record["hub_round"]
     stored = get(hub, f"/v1/training/rounds/{rid}").json()
-    assert stored["status"] == "ended"
-    assert stored["baseline"] == record["baseline"]["agreement"]
-    assert stored["result"] == record["result"]["agreement"]
+    assert stored["status"] == "done"
+    assert stored["baseline"] == record["baseline"]["agreement_pct"]
+    assert stored["result"] == record["result"]["agreement_pct"]
     assert stored["checks"] and all(c["valLoss"] is not None for c in stored["checks"])
     assert stored["end_body"]["perTool"]
-    assert get(hub, f"/v1/training/adapters/{rid}").status_code == 200
+    # Registered the field's way: base is the student's model id, the start is in the recipe.
+    assert stored["base"] == record["student_name"] and stored["recipe"]["start"] == "bare"
+    assert stored["end_body"]["result"]["agreement_pct"] == record["result"]["agreement_pct"]
+    assert stored["end_body"]["result"]["turns"] == 20
     assert get(hub, f"/v1/training/adapters/{rid}-last").status_code == 200
+    # The adapter fetched and extracted the field's way loads from the extracted folder itself.
+    tgz = get(hub, f"/v1/training/adapters/{rid}")
+    assert tgz.status_code == 200
+    folder = tmp_path / "field-extracted"
+    with tarfile.open(fileobj=io.BytesIO(tgz.content), mode="r:gz") as tar:
+        tar.extractall(folder, filter="data")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    loaded = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(raw_student), str(folder)
+    )
+    assert any("lora_" in n for n, _ in loaded.named_parameters())
     assert get(hub, "/v1/training/state").json()["coverage"]["trained"] == record["turns_trained"]
     # The baseline is now cached: a trial of the same start reads nothing new, and takes no turns.
     handed = get(hub, "/v1/training/state").json()["coverage"]["handed_out"]
@@ -102,7 +120,13 @@ def test_round_through_the_hub_is_live_and_stored(ray_local, hub, corpus, raw_st
         settings(hub.url, hub.device, None, raw_student, tmp_path / "t", adapter=f"hub:{rid}")
     )
     assert trial["result"]["turns"] == 20 and trial["candidate"] == f"hub:{rid}"
-    assert get(hub, "/v1/training/state").json()["coverage"]["handed_out"] == handed
+    state = get(hub, "/v1/training/state").json()
+    assert state["coverage"]["handed_out"] == handed
+    # The trial is a round on the hub: registered, its notes streamed, ended done, trained 0.
+    on_hub = get(hub, f"/v1/training/rounds/{trial['hub_round']}").json()
+    assert on_hub["status"] == "done" and on_hub["trained"] == 0 and on_hub["recipe"]["trial"]
+    assert on_hub["result"] == trial["result"]["agreement_pct"] and on_hub["baseline"] is None
+    assert any("trial exam" in n["line"] for n in on_hub["notes"])
 
 
 def test_round_with_the_hub_down_throughout(ray_local, corpus, raw_student, tmp_path):
@@ -110,11 +134,11 @@ def test_round_with_the_hub_down_throughout(ray_local, corpus, raw_student, tmp_
 
     dead = f"http://127.0.0.1:{free_port()}"
     record = run_round(settings(dead, "t", corpus, raw_student, tmp_path / "r"))
-    assert record["status"] == "ended" and record["hub_round"] is None
+    assert record["status"] == "done" and record["hub_round"] is None
     assert record["baseline"] and record["result"]
     on_disk = json.loads((tmp_path / "r" / "round.json").read_text())
     assert (
-        on_disk["status"] == "ended" and (tmp_path / "r" / "best" / "adapter_config.json").is_file()
+        on_disk["status"] == "done" and (tmp_path / "r" / "best" / "adapter_config.json").is_file()
     )
 
 
@@ -192,7 +216,7 @@ def test_two_rounds_one_baseline(ray_local, hub, corpus, raw_student, tmp_path):
     other = next(n for n in records if n not in measured)
     assert records[other]["baseline"]["source"] == "hub"
     assert records[other]["baseline"]["by"] == measured[0]
-    assert records[other]["baseline"]["agreement"] == records[measured[0]]["baseline"]["agreement"]
+    assert records[other]["baseline"]["agreement_pct"] == records[measured[0]]["baseline"]["agreement_pct"]
     assert len(records[other]["exam_pids"]) == 1  # only its result exam
 
 

@@ -1,7 +1,7 @@
 """Adapters on the hub's disk: whole bodies and 16 MB pieces, checked before they are kept.
 
 A piece sent twice is stored once; pieces are assembled only when all are in; the assembled tgz
-must open, hold adapter_config.json and weights, have no member outside its folder and no links,
+must open, hold adapter_config.json and weights at its top, have no member outside it, no links,
 and stay under the size limit. Anything refused leaves nothing behind.
 """
 
@@ -47,11 +47,14 @@ def check_tgz(path: Path) -> list[str]:
             tarfile.data_filter(m, str(root))
         except tarfile.FilterError as e:
             raise Refused(400, f"member outside its folder: {m.name} ({e})") from e
-    names = {Path(m.name).name for m in members if m.isfile()}
-    if "adapter_config.json" not in names:
-        raise Refused(400, "adapter has no adapter_config.json")
-    if not names & set(WEIGHTS):
-        raise Refused(400, "adapter has no weights (adapter_model.safetensors or .bin)")
+    # The field's client extracts the tgz and loads the folder itself: the files sit at the top.
+    top = {Path(m.name).name for m in members if m.isfile() and len(Path(m.name).parts) == 1}
+    if "adapter_config.json" not in top:
+        raise Refused(400, "adapter has no adapter_config.json at the top of the tgz")
+    if not top & set(WEIGHTS):
+        raise Refused(
+            400, "adapter has no weights (adapter_model.safetensors or .bin) at the top of the tgz"
+        )
     return [m.name for m in members]
 
 

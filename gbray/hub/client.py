@@ -58,7 +58,8 @@ def _retry(tries: int, first_pause: float, max_pause: float) -> Retry:
 
 
 def pack_adapter(folder: Path) -> bytes:
-    """An adapter folder as one tgz, its files under one top folder named 'adapter'."""
+    """An adapter folder as one tgz whose members are the folder's files, at the top (the field's
+    client extracts it into a folder and loads that folder)."""
     buffer = io.BytesIO()
     # mtime 0 in the gzip header: the same folder always packs to the same bytes.
     with (
@@ -67,18 +68,17 @@ def pack_adapter(folder: Path) -> bytes:
     ):
         for path in sorted(Path(folder).iterdir()):
             if path.is_file() and not path.is_symlink():
-                tar.add(path, arcname=f"adapter/{path.name}")
+                tar.add(path, arcname=path.name)
     return buffer.getvalue()
 
 
 def unpack_adapter(tgz: Path, into: Path) -> Path:
-    """Extract an adapter tgz, refusing links and members outside the target folder."""
+    """Extract an adapter tgz into `into` (the adapter folder), refusing links and escapes."""
     check_tgz(tgz)
     into.mkdir(parents=True, exist_ok=True)
     with tarfile.open(tgz, "r:gz") as tar:
         tar.extractall(into, filter="data")
-    configs = list(into.rglob("adapter_config.json"))
-    return configs[0].parent
+    return into
 
 
 class HubClient:
@@ -162,13 +162,14 @@ class HubClient:
         )
         return r.json() if r is not None else None
 
-    def tell_baseline(self, key: dict, value: float) -> None:
+    def tell_baseline(self, key: dict, exam: dict) -> None:
+        """Tell a measured baseline: `exam` is an exam object (`agreement_pct`, `turns`, ...)."""
         self._best_effort(
             "tell baseline",
             self.once,
             "POST",
             "/v1/training/baseline",
-            json={**key, "baseline": value, "device": self.settings.device},
+            json={**key, "baseline": exam, "device": self.settings.device},
         )
 
     # -- progress -------------------------------------------------------------------------------

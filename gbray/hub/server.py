@@ -10,7 +10,7 @@ import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Literal
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse
@@ -53,14 +53,21 @@ class CheckBody(Body):
     turns: int | None = None
     valLoss: float | None = None
     trainLoss: float | None = None
-    best: float | None = None
+    best: bool | None = None  # whether this point is the best so far
     lr: float | None = None
 
 
+class ExamBody(Body):
+    """An exam result as the field sends it: `agreement_pct` and `turns`, more fields allowed."""
+
+    agreement_pct: float
+    turns: int | None = None
+
+
 class EndBody(Body):
-    status: str = "ended"
-    baseline: Any = None
-    result: Any = None
+    status: Literal["done", "failed", "stopped"] = "done"
+    baseline: ExamBody | None = None
+    result: ExamBody | None = None
     adapter: str | None = None
     paper: str | None = None
     why: str | None = None
@@ -75,7 +82,7 @@ class BaselineBody(Body):
     turns: int
     answer: int
     student: str
-    baseline: float
+    baseline: ExamBody
 
 
 def create_app(settings: HubSettings) -> FastAPI:
@@ -180,7 +187,7 @@ def create_app(settings: HubSettings) -> FastAPI:
     @app.post("/v1/training/baseline")
     def tell_baseline(body: BaselineBody, who=Depends(caller)):
         key = (body.scope, body.base, body.paper, body.turns, body.answer, body.student)
-        store.tell_baseline(key, body.baseline, getattr(body, "device", None) or who[0])
+        store.tell_baseline(key, body.baseline.model_dump(), getattr(body, "device", None) or who[0])
         return {}
 
     @app.put("/v1/training/rounds/{round_id}/adapter")

@@ -37,7 +37,7 @@ CREATE TABLE IF NOT EXISTS checks (seq INTEGER PRIMARY KEY AUTOINCREMENT, round 
     turns INTEGER, val_loss REAL, train_loss REAL, best REAL, lr REAL, at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS baselines (
     scope TEXT, base TEXT, paper TEXT, turns INTEGER, answer INTEGER, student TEXT, value REAL, by TEXT,
-    claimed REAL, PRIMARY KEY (scope, base, paper, turns, answer, student));
+    claimed REAL, body TEXT, PRIMARY KEY (scope, base, paper, turns, answer, student));
 CREATE TABLE IF NOT EXISTS serving (seq INTEGER PRIMARY KEY AUTOINCREMENT, round TEXT NOT NULL,
     adapter TEXT NOT NULL, since REAL NOT NULL);
 """
@@ -63,6 +63,9 @@ class Store:
         with self.connect() as db:
             db.execute("PRAGMA journal_mode=WAL")
             db.executescript(SCHEMA)
+            columns = {r["name"] for r in db.execute("PRAGMA table_info(baselines)")}
+            if "body" not in columns:  # a database from before baselines were kept as objects
+                db.execute("ALTER TABLE baselines ADD COLUMN body TEXT")
 
     @contextmanager
     def connect(self):
@@ -248,7 +251,7 @@ class Store:
                     point.get("turns"),
                     point.get("valLoss"),
                     point.get("trainLoss"),
-                    point.get("best"),
+                    None if point.get("best") is None else int(bool(point["best"])),
                     point.get("lr"),
                     time.time(),
                 ),
@@ -260,10 +263,10 @@ class Store:
             return self._touch(db, round_id)
 
     def end(self, round_id: str, body: dict) -> None:
-        def number(value):
-            if isinstance(value, dict):
-                value = value.get("agreement")
-            return float(value) if isinstance(value, int | float) else None
+        """Store a round's end; `baseline` and `result` are exam objects (`agreement_pct`) or None."""
+
+        def agreement(exam: dict | None) -> float | None:
+            return float(exam["agreement_pct"]) if exam else None
 
         with self.transaction() as db:
             self._touch(db, round_id)
@@ -271,10 +274,10 @@ class Store:
                 "UPDATE rounds SET status = ?, ended = ?, baseline = ?, result = ?, adapter = ?, paper = ?,"
                 " why = ?, trained = ?, draw_seed = ?, end_body = ? WHERE id = ?",
                 (
-                    body.get("status", "ended"),
+                    body.get("status", "done"),
                     time.time(),
-                    number(body.get("baseline")),
-                    number(body.get("result")),
+                    agreement(body.get("baseline")),
+                    agreement(body.get("result")),
                     body.get("adapter"),
                     body.get("paper"),
                     body.get("why"),
@@ -305,7 +308,7 @@ class Store:
                 )
             ]
             out["checks"] = [
-                dict(r)
+                {**dict(r), "best": None if r["best"] is None else bool(r["best"])}
                 for r in db.execute(
                     "SELECT step, turns, val_loss AS valLoss, train_loss AS trainLoss, best, lr, at FROM checks "
                     "WHERE round = ? ORDER BY seq",
@@ -320,7 +323,9 @@ class Store:
                 dict(r)
                 for r in db.execute(
                     "SELECT id, device, base, turns, status, created, updated, ended, baseline, result, adapter, "
-                    "paper, why, trained, stop, json_extract(recipe, '$.student') AS student FROM rounds "
+                    "paper, why, trained, stop, json_extract(recipe, '$.student') AS student, "
+                    "json_extract(recipe, '$.start') AS start, json_extract(recipe, '$.trial') AS trial "
+                    "FROM rounds "
                     "ORDER BY created DESC"
                 )
             ]
@@ -333,29 +338,34 @@ class Store:
         return max(row[0] or 0.0, since) > time.time() - self.claim_timeout
 
     def ask_baseline(self, key: tuple, device: str) -> dict:
-        """Known: the number. Unknown and unclaimed (or its claimant went silent): the asker measures.
-        Claimed by a live device: that device measures; train at once and read it at the end."""
+        """Known: the exam object. Unknown and unclaimed (or its claimant went silent): the asker
+        measures. Claimed by a live device: that device measures; train at once, read it at the end.
+        Answers the field's shapes: `{known: true, baseline: {agreement_pct, turns}, by}` or
+        `{known: false, measure, by}`."""
         with self.transaction() as db:
             row = db.execute(
-                "SELECT value, by, claimed FROM baselines WHERE scope = ? AND base = ? AND paper = ? "
-                "AND turns = ? AND answer = ? AND student = ?",
+                "SELECT value, by, claimed, body FROM baselines WHERE scope = ? AND base = ? "
+                "AND paper = ? AND turns = ? AND answer = ? AND student = ?",
                 key,
             ).fetchone()
             if row and row["value"] is not None:
-                return {"known": True, "baseline": row["value"], "measure": False, "by": row["by"]}
+                exam = json.loads(row["body"]) if row["body"] else {}
+                exam = {**exam, "agreement_pct": row["value"], "turns": exam.get("turns", key[3])}
+                return {"known": True, "baseline": exam, "by": row["by"]}
             if row and row["by"] != device and self._device_alive(db, row["by"], row["claimed"]):
-                return {"known": False, "baseline": None, "measure": False, "by": row["by"]}
+                return {"known": False, "measure": False, "by": row["by"]}
             db.execute(
-                "INSERT OR REPLACE INTO baselines VALUES (?, ?, ?, ?, ?, ?, NULL, ?, ?)",
+                "INSERT OR REPLACE INTO baselines VALUES (?, ?, ?, ?, ?, ?, NULL, ?, ?, NULL)",
                 (*key, device, time.time()),
             )
-            return {"known": False, "baseline": None, "measure": True, "by": device}
+            return {"known": False, "measure": True, "by": device}
 
-    def tell_baseline(self, key: tuple, value: float, device: str) -> None:
+    def tell_baseline(self, key: tuple, exam: dict, device: str) -> None:
+        """Keep a measured baseline: the exam object as told (`agreement_pct`, `turns`, ...)."""
         with self.transaction() as db:
             db.execute(
-                "INSERT OR REPLACE INTO baselines VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (*key, float(value), device, time.time()),
+                "INSERT OR REPLACE INTO baselines VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (*key, float(exam["agreement_pct"]), device, time.time(), json.dumps(exam)),
             )
 
     # -- promotion ------------------------------------------------------------------------------
@@ -365,8 +375,10 @@ class Store:
             row = db.execute("SELECT * FROM rounds WHERE id = ?", (round_id,)).fetchone()
             if row is None:
                 raise NotFound(f"no round {round_id}")
-            if row["ended"] is None or row["status"] != "ended":
-                raise Conflict(f"round {round_id} has not ended (status {row['status']})")
+            if row["ended"] is None or row["status"] != "done":
+                raise Conflict(
+                    f"round {round_id} has not ended done (status {row['status']})"
+                )
             if row["baseline"] is None or row["result"] is None or not row["paper"]:
                 raise Conflict(f"round {round_id} reported no baseline and result on one paper")
             if not row["result"] > row["baseline"]:
