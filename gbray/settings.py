@@ -86,7 +86,10 @@ class Recipe:
     )
     seed: int | None = setting(None, "training draw seed; default from the clock, so rounds move")
     device: str = setting(
-        "auto", "auto, cpu (--cpu) or cuda", choices=("auto", "cpu", "cuda"), shortcut=("--cpu", "cpu")
+        "auto",
+        "auto, cpu (--cpu) or cuda",
+        choices=("auto", "cpu", "cuda"),
+        shortcut=("--cpu", "cpu"),
     )
 
     def validate(self) -> None:

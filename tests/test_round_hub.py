@@ -3,8 +3,8 @@
 import io
 import json
 import subprocess
-import tarfile
 import sys
+import tarfile
 import threading
 import time
 
@@ -216,7 +216,10 @@ def test_two_rounds_one_baseline(ray_local, hub, corpus, raw_student, tmp_path):
     other = next(n for n in records if n not in measured)
     assert records[other]["baseline"]["source"] == "hub"
     assert records[other]["baseline"]["by"] == measured[0]
-    assert records[other]["baseline"]["agreement_pct"] == records[measured[0]]["baseline"]["agreement_pct"]
+    assert (
+        records[other]["baseline"]["agreement_pct"]
+        == records[measured[0]]["baseline"]["agreement_pct"]
+    )
     assert len(records[other]["exam_pids"]) == 1  # only its result exam
 
 

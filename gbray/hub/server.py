@@ -187,7 +187,9 @@ def create_app(settings: HubSettings) -> FastAPI:
     @app.post("/v1/training/baseline")
     def tell_baseline(body: BaselineBody, who=Depends(caller)):
         key = (body.scope, body.base, body.paper, body.turns, body.answer, body.student)
-        store.tell_baseline(key, body.baseline.model_dump(), getattr(body, "device", None) or who[0])
+        store.tell_baseline(
+            key, body.baseline.model_dump(), getattr(body, "device", None) or who[0]
+        )
         return {}
 
     @app.put("/v1/training/rounds/{round_id}/adapter")

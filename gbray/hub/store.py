@@ -376,9 +376,7 @@ class Store:
             if row is None:
                 raise NotFound(f"no round {round_id}")
             if row["ended"] is None or row["status"] != "done":
-                raise Conflict(
-                    f"round {round_id} has not ended done (status {row['status']})"
-                )
+                raise Conflict(f"round {round_id} has not ended done (status {row['status']})")
             if row["baseline"] is None or row["result"] is None or not row["paper"]:
                 raise Conflict(f"round {round_id} reported no baseline and result on one paper")
             if not row["result"] > row["baseline"]:
