@@ -13,7 +13,14 @@ import time
 from pathlib import Path
 
 from gbray.data.turns import DataError
-from gbray.settings import Recipe, RoundSettings, add_fields, from_args, student_hints
+from gbray.settings import (
+    HelpFormatter,
+    Recipe,
+    RoundSettings,
+    add_fields,
+    from_args,
+    student_hints,
+)
 from gbray.student import TINY_HINTS
 
 log = logging.getLogger("gbray")
@@ -91,6 +98,9 @@ def _round_settings(args) -> RoundSettings:
     """Flags, then the field's environment variables (GB_HUB, GB_TOKEN, GB_DEVICE), then a
     student's own hints, then the defaults."""
     hints = student_hints(getattr(args, "model", ""))
+    if hasattr(args, "validate_every"):
+        # --validate-every names the interval in the device's unit: the hint's own units give way.
+        hints = {k: v for k, v in hints.items() if not k.startswith("val_every_")}
     if hints:
         log.info("student suggests %s (flags given win)", json.dumps(hints))
     recipe = from_args(Recipe, args, hints=hints)
@@ -461,6 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = verbs.add_parser(
         "round",
         help="one round: baseline exam, training within the hours, result exam",
+        formatter_class=HelpFormatter,
         description="One round on Ray: a trainer actor and a fresh examiner actor per exam. "
         "Ends with one line of JSON on stdout.",
     )
@@ -471,6 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = verbs.add_parser(
         "trial",
         help="score a candidate (bare student or adapter) on the paper; trains nothing",
+        formatter_class=HelpFormatter,
         description="Takes the paper from the hub (or --data), examines the candidate in a fresh "
         "examiner actor, writes OUT/trial.json. Takes no turns.",
     )

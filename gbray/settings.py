@@ -263,6 +263,18 @@ class _ValueOrShortcut(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows a shortcut without a value: `--precision PRECISION, --bf16`."""
+
+    def _format_action_invocation(self, action):
+        if isinstance(action, _ValueOrShortcut):
+            spelled = [
+                f"{o} {action.metavar}" for o in action.option_strings if o != action.shortcut
+            ]
+            return ", ".join([*spelled, action.shortcut])
+        return super()._format_action_invocation(action)
+
+
 def add_fields(
     parser: argparse.ArgumentParser, cls, title: str, only: tuple[str, ...] | None = None
 ) -> None:

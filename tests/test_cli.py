@@ -104,3 +104,64 @@ def test_flags_win_over_student_hints_over_defaults(raw_student, tmp_path):
     assert recipe.lr == 1e-3  # the flag
     assert recipe.batch == 8 and recipe.accum == 1  # the tiny student's hints
     assert recipe.epochs == 3 and recipe.answer_budget == 320  # the SPEC defaults
+
+
+def test_the_fields_environment_names_the_hub_token_and_device(raw_student, tmp_path, monkeypatch):
+    from gbray.cli import _round_settings, build_parser
+
+    monkeypatch.setenv("GB_HUB", "http://hub.example:8600")
+    monkeypatch.setenv("GB_TOKEN", "field-token")
+    monkeypatch.delenv("GB_DEVICE", raising=False)
+    monkeypatch.setenv("COMPUTERNAME", "FIELD-PC")
+    argv = ["round", "--model", str(raw_student), "--out", str(tmp_path / "o")]
+    settings = _round_settings(build_parser().parse_args(argv))
+    assert (settings.hub, settings.token, settings.device_name) == (
+        "http://hub.example:8600",
+        "field-token",
+        "FIELD-PC",
+    )
+    monkeypatch.setenv("GB_DEVICE", "field-laptop")
+    assert _round_settings(build_parser().parse_args(argv)).device_name == "field-laptop"
+    flags = [*argv, "--hub", "http://other:1", "--token", "t2", "--device-name", "d2"]
+    settings = _round_settings(build_parser().parse_args(flags))
+    assert (settings.hub, settings.token, settings.device_name) == ("http://other:1", "t2", "d2")
+
+
+def test_help_shows_one_entry_per_setting():
+    out = run("round", "--help")
+    assert out.returncode == 0
+    entries = [line.split()[0] for line in out.stdout.splitlines() if line.startswith("  --")]
+    assert len(entries) == len(set(entries))
+    text = out.stdout
+    for both in (
+        "--precision PRECISION, --bf16",
+        "--device DEVICE, --cpu",
+        "--turns TURNS, --slice",
+    ):
+        assert both in text, both
+    assert "--exam-turns EXAM_TURNS, --eval-turns EXAM_TURNS" in text
+    assert "--fetch, --no-fetch" in text
+
+
+def test_a_model_id_without_network_or_cache_is_one_line_before_ray(tmp_path, corpus):
+    import time
+
+    env = {
+        **os.environ,
+        "HF_HOME": str(tmp_path / "hf"),
+        "HF_HUB_OFFLINE": "1",  # the same answer as no network, without asking one
+    }
+    started = time.monotonic()
+    out = subprocess.run(
+        [*GBRAY, "round", "--data", str(corpus), "--out", str(tmp_path / "o"), "--hours", "0.01"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("gbray: error:")]
+    assert len(errors) == 1 and "Qwen/Qwen2.5-0.5B-Instruct" in errors[0], out.stderr
+    assert "no cached copy" in errors[0]
+    assert "Ray" not in out.stderr and time.monotonic() - started < 30
+    assert not (tmp_path / "o" / "round.json").exists()
