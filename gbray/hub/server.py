@@ -13,7 +13,13 @@ from pathlib import Path
 from typing import Literal
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse
+from fastapi.responses import (
+    FileResponse,
+    HTMLResponse,
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+)
 from pydantic import BaseModel, ConfigDict
 
 from gbray.hub.adapters import AdapterStore, Refused
@@ -21,6 +27,16 @@ from gbray.hub.store import Conflict, NotFound, Store
 
 log = logging.getLogger(__name__)
 PAGE = Path(__file__).parent / "page" / "index.html"
+SCRIPT = Path(__file__).parent / "page" / "page.js"
+# The page's script comes from the hub itself, never inline: device text that slipped into markup
+# would be blocked, not run.
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self' "
+    "'unsafe-inline'; img-src 'self' data:; object-src 'none'; base-uri 'none'; "
+    "frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
 
 
 @dataclass(frozen=True)
@@ -127,7 +143,11 @@ def create_app(settings: HubSettings) -> FastAPI:
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     def page():
-        return HTMLResponse(PAGE.read_text())
+        return HTMLResponse(PAGE.read_text(), headers=PAGE_HEADERS)
+
+    @app.get("/page.js", include_in_schema=False)
+    def page_script():
+        return Response(SCRIPT.read_text(), media_type="text/javascript", headers=PAGE_HEADERS)
 
     @app.post("/v1/training/rounds")
     def register(body: RegisterBody, who=Depends(caller)):

@@ -1,0 +1,148 @@
+// The hub's status page. Every string a device sent is shown as text: the DOM is built with
+// createElement and textContent, never from markup; the hub's Content-Security-Policy forbids
+// inline script, so a missed case is blocked rather than run.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const SVG = "http://www.w3.org/2000/svg";
+const params = new URLSearchParams(location.search);
+let token = params.get("token") || localStorage.getItem("gbray-token") || "";
+let owner = false;
+let selected = params.get("round");
+if (params.has("token")) {
+  // Keep the token out of the address bar, the history and any log that sees the URL.
+  localStorage.setItem("gbray-token", token);
+  params.delete("token");
+  history.replaceState(null, "", location.pathname + (params.toString() ? "?" + params : ""));
+}
+
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (k === "class") node.className = v;
+    else node.setAttribute(k, String(v));
+  }
+  for (const child of children) node.append(child instanceof Node ? child : text(child));
+  return node;
+}
+function svg(tag, attrs = {}) {
+  const node = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, String(v));
+  return node;
+}
+const text = (v) => document.createTextNode(v === null || v === undefined ? "–" : String(v));
+const num = (v) => (typeof v === "number" && Number.isFinite(v) ? v : null);
+const fmt = (v, d = 1) => (num(v) === null ? "–" : num(v).toFixed(d));
+
+async function api(path, opts = {}) {
+  const r = await fetch(path, { ...opts, headers: { Authorization: "Bearer " + token } });
+  const body = await r.json().catch(() => ({}));
+  if (!r.ok) throw new Error(r.status + " " + (typeof body.detail === "string" ? body.detail : r.statusText));
+  return body;
+}
+function say(message) { $("msg").textContent = message; }
+
+$("token").value = token;
+$("save").addEventListener("click", () => {
+  token = $("token").value.trim();
+  localStorage.setItem("gbray-token", token);
+  refresh();
+});
+
+async function refresh() {
+  try {
+    const me = await api("/v1/whoami");
+    owner = me.owner === true;
+    $("who").textContent = "as " + me.name + (owner ? " (owner)" : "");
+    const s = await api("/v1/training/state");
+    say("");
+    const c = s.coverage, sv = s.serving;
+    $("summary").textContent =
+      `corpus ${c.corpus} turns · trained ${c.trained} (${fmt(100 * c.share)}%) · handed out ${c.handed_out}` +
+      (sv ? ` · serving ${sv.round} since ${new Date(sv.since * 1000).toLocaleString()}` : " · nothing serves yet");
+    const body = $("rounds").tBodies[0];
+    body.replaceChildren(...s.rounds.map((r) => roundRow(r, sv)));
+    if (selected) await detail(selected);
+  } catch (e) { say(e.message); }
+}
+
+function roundRow(r, sv) {
+  const baseline = num(r.baseline), result = num(r.result);
+  const cls = baseline === null || result === null ? "" : (result > baseline ? "beat" : "lost");
+  const tr = el("tr", { class: "round" + (r.id === selected ? " sel" : "") },
+    el("td", {}, r.id),
+    el("td", {}, r.device),
+    el("td", {}, r.student ?? r.base),
+    el("td", {}, (r.start ?? "–") + (r.trial ? " (trial)" : "")),
+    el("td", {}, r.status + (r.stop ? " (stop asked)" : "")),
+    el("td", {}, num(r.trained) ?? "–"),
+    el("td", {}, fmt(baseline)),
+    el("td", { class: cls }, fmt(result)),
+    el("td", {}, sv && sv.round === r.id ? "serving" : ""));
+  tr.addEventListener("click", () => { selected = r.id; refresh(); });
+  return tr;
+}
+
+function curve(points) {
+  const box = $("curve"), W = 640, H = 220, P = 30;
+  const val = points.filter((p) => num(p.valLoss) !== null && num(p.step) !== null);
+  const tr = points.filter((p) => num(p.trainLoss) !== null && num(p.step) !== null);
+  if (!val.length) {
+    const t = svg("text", { x: 10, y: 20, fill: "#777" });
+    t.textContent = "no validation yet";
+    box.replaceChildren(t);
+    return;
+  }
+  const all = val.map((p) => p.valLoss).concat(tr.map((p) => p.trainLoss));
+  const xs = val.concat(tr).map((p) => p.step), x0 = Math.min(...xs), x1 = Math.max(...xs, x0 + 1);
+  const y0 = Math.min(...all), y1 = Math.max(...all, y0 + 1e-6);
+  const X = (s) => P + (W - 2 * P) * (s - x0) / (x1 - x0), Y = (v) => H - P - (H - 2 * P) * (v - y0) / (y1 - y0);
+  const parts = [
+    svg("line", { x1: P, y1: H - P, x2: W - P, y2: H - P, stroke: "#999" }),
+    svg("line", { x1: P, y1: P, x2: P, y2: H - P, stroke: "#999" }),
+  ];
+  const label = (x, y, s) => { const t = svg("text", { x, y, "font-size": 11 }); t.textContent = s; return t; };
+  parts.push(label(P, H - 8, "step " + x0), label(W - P - 60, H - 8, "step " + x1),
+    label(2, P - 8, y1.toFixed(3)), label(2, H - P + 12, y0.toFixed(3)));
+  for (const [ps, key, color] of [[tr, "trainLoss", "#aaa"], [val, "valLoss", "#1f5fd1"]]) {
+    parts.push(svg("polyline", { fill: "none", stroke: color, "stroke-width": 2,
+      points: ps.map((p) => X(p.step) + "," + Y(p[key])).join(" ") }));
+    for (const p of ps) parts.push(svg("circle", { cx: X(p.step), cy: Y(p[key]), r: 3, fill: color }));
+  }
+  box.replaceChildren(...parts);
+}
+
+function button(label, action) {
+  const b = el("button", {}, label);
+  b.addEventListener("click", async () => {
+    try { await action(); refresh(); } catch (e) { say(label + " refused: " + e.message); }
+  });
+  return b;
+}
+
+async function detail(id) {
+  const r = await api("/v1/training/rounds/" + encodeURIComponent(id));
+  $("detail").hidden = false;
+  $("dtitle").textContent = `${r.id} · ${r.status}` + (r.why ? ` (${r.why})` : "") +
+    ` · baseline ${fmt(r.baseline)} → result ${fmt(r.result)}`;
+  const path = "/v1/training/rounds/" + encodeURIComponent(id);
+  $("actions").replaceChildren(...(owner ? [
+    button("stop", () => api(path + "/stop", { method: "POST" })),
+    button("promote", () => api(path + "/promote", { method: "POST" })),
+  ] : []));
+  curve(Array.isArray(r.checks) ? r.checks : []);
+  const tools = r.end_body && typeof r.end_body.perTool === "object" && r.end_body.perTool ? r.end_body.perTool : {};
+  const rows = Object.entries(tools).map(([t, v]) => {
+    const row = v && typeof v === "object" ? v : {};
+    return el("tr", {}, el("td", {}, t), el("td", {}, row.asked ?? "–"),
+      el("td", {}, row.before ?? "–"), el("td", {}, row.after ?? "–"));
+  });
+  $("tools").tBodies[0].replaceChildren(...(rows.length ? rows :
+    [el("tr", {}, el("td", { colspan: 4, class: "muted" }, "reported when the round ends"))]));
+  const box = $("notes"), atEnd = box.scrollTop + box.clientHeight >= box.scrollHeight - 5;
+  box.textContent = r.notes.map((n) => new Date(n.at * 1000).toLocaleTimeString() + "  " + n.line).join("\n");
+  if (atEnd) box.scrollTop = box.scrollHeight;
+}
+
+refresh();
+setInterval(refresh, 3000);

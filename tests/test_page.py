@@ -1,0 +1,93 @@
+"""The status page in headless Chromium, on a round whose device sent markup in every field it can
+send: the markup shows as text and none of it runs."""
+
+import shutil
+import subprocess
+
+import pytest
+import requests
+from hubutil import HubProcess
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs chromium (.ci/run installs it)")
+
+# Each payload tries to run script or to add an element the page never makes.
+PAYLOADS = [
+    "<img src=x onerror=\"document.body.setAttribute('data-pwned', 'img')\">",
+    "<script>document.body.setAttribute('data-pwned', 'script')</script>",
+    '<b id="pwned-b">bold</b>',
+    "\"><svg onload=\"document.body.setAttribute('data-pwned', 'svg')\">",
+]
+
+
+def markup(i: int) -> str:
+    return PAYLOADS[i % len(PAYLOADS)] + f" #{i}"
+
+
+def test_device_markup_is_shown_as_text_and_never_run(tmp_path):
+    hub = HubProcess(tmp_path).start()
+    try:
+        auth = {"Authorization": f"Bearer {hub.device}"}
+
+        def post(path, body):
+            r = requests.post(hub.url + path, json=body, headers=auth, timeout=30)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        rid = post(
+            "/v1/training/rounds",
+            {
+                "device": markup(0),
+                "base": markup(1),
+                "turns": 10,
+                "recipe": {"student": markup(2), "start": markup(3), "trial": markup(4)},
+            },
+        )["id"]
+        post(f"/v1/training/rounds/{rid}/note", {"line": markup(5)})
+        post(f"/v1/training/rounds/{rid}/check", {"step": 1, "valLoss": 0.5, "trainLoss": 0.6})
+        post(
+            f"/v1/training/rounds/{rid}/end",
+            {
+                "status": "done",
+                "baseline": {"agreement_pct": 10.0, "turns": 150, "note": markup(6)},
+                "result": {"agreement_pct": 20.0, "turns": 150, "note": markup(7)},
+                "adapter": markup(8),
+                "paper": markup(9),
+                "why": markup(10),
+                "trained": 10,
+                "perTool": {
+                    markup(11): {"asked": markup(12), "before": markup(13), "after": markup(14)}
+                },
+            },
+        )
+        dom = subprocess.run(
+            [
+                CHROMIUM,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                f"--user-data-dir={tmp_path / 'chromium'}",
+                "--virtual-time-budget=8000",
+                "--dump-dom",
+                f"{hub.url}/?token={hub.owner}&round={rid}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        ).stdout
+    finally:
+        hub.stop()
+    assert rid in dom, dom[:2000]  # the page rendered the rounds and the detail
+    assert "data-pwned" not in dom.split("<body", 1)[1].split(">", 1)[0], "a payload ran"
+    assert '<b id="pwned-b">' not in dom and "<b " not in dom
+    assert "<img" not in dom and "<svg onload" not in dom.lower()
+    shown = sum(f"#{i}" in dom for i in range(15))
+    # Every field the page shows holds its markup as text (escaped in the dump).
+    for i in (0, 3, 5, 10, 11, 13, 14):
+        assert f"#{i}" in dom, (i, shown)
+    assert "&lt;img src=x onerror=" in dom
