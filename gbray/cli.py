@@ -312,6 +312,13 @@ def cmd_hub_token(args) -> int:
     return 0
 
 
+def cmd_hub_marks_clear(args) -> int:
+    from gbray.hub.store import Store
+
+    print(json.dumps({"cleared": Store(args.db).clear_marks()}))
+    return 0
+
+
 def cmd_hub_promote(args) -> int:
     import requests
 
@@ -365,6 +372,15 @@ def add_hub_parser(verbs) -> None:
     p.add_argument("--owner", action="store_true", help="may also stop and promote")
     p.add_argument("--db", type=Path, required=True)
     p.set_defaults(func=cmd_hub_token)
+    p = hub.add_parser("marks", help="the corpus' taken marks").add_subparsers(
+        dest="marks_verb", required=True, metavar="clear"
+    )
+    p = p.add_parser(
+        "clear",
+        help="clear every taken mark (a new pass over the corpus; devices never clear them)",
+    )
+    p.add_argument("--db", type=Path, required=True)
+    p.set_defaults(func=cmd_hub_marks_clear)
     p = hub.add_parser("promote", help="ask the hub to put a round's adapter into service")
     p.add_argument("id", help="round id")
     p.add_argument("--hub", required=True, help="hub URL")

@@ -227,7 +227,7 @@ class Trainer:
         point = {
             "step": state.steps,
             "turns": state.turn_passes,
-            "valLoss": value,
+            "valLoss": value if math.isfinite(value) else None,
             "trainLoss": sum(recent) / len(recent) if recent else None,
             "best": gain,  # on the wire a boolean: whether this point is the best so far
             "bestLoss": state.best_val if math.isfinite(state.best_val) else None,

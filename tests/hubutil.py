@@ -26,7 +26,7 @@ class HubProcess:
         self.device = store.add_token("laptop", owner=False)
 
     def start(self) -> "HubProcess":
-        self.log = open(self.root / "hub.log", "ab")  # noqa: SIM115 - lives as long as the process
+        # stdout too: uvicorn writes its access log there.
         self.log = open(self.root / "hub.log", "ab")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(
             [
@@ -43,7 +43,7 @@ class HubProcess:
                 str(self.port),
                 *self.extra,
             ],
-            stdout=subprocess.DEVNULL,
+            stdout=self.log,
             stderr=self.log,
             env={**os.environ},
         )

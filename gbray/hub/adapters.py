@@ -1,74 +1,169 @@
-"""Adapters on the hub's disk: whole bodies and 16 MB pieces, checked before they are kept.
+"""Adapters on the hub's disk: whole bodies and 16 MB pieces, checked to their last byte before
+they are kept.
 
-A piece sent twice is stored once; pieces are assembled only when all are in; the assembled tgz
-must open, hold adapter_config.json and weights at its top, have no member outside it, no links,
-and stay under the size limit. Anything refused leaves nothing behind.
+A tgz must hold adapter_config.json and weights at its top (the field's client extracts it into a
+folder and loads that folder), no member outside it, no links or special files; every member is
+read through, so gzip's CRC and length are checked, and what it expands to is held to the size
+limit while it is read (a small body can expand to gigabytes). A safetensors file's header must
+parse and describe the bytes that follow. A complete adapter is never replaced (the same bytes
+again are a retry); the `-last` checkpoint may be. Pieces belong to one upload: a new first piece
+starts the upload over. Anything refused leaves nothing behind, and start-up clears what a crash
+left. These calls block (disk, decompression): the server runs them off its event loop.
 """
 
 from __future__ import annotations
 
+import gzip
+import hashlib
+import json
 import math
 import os
+import re
 import shutil
+import struct
 import tarfile
 import tempfile
+import zlib
 from pathlib import Path
 
 PIECE = 16 * 1024 * 1024
 WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+READ = 1024 * 1024
+# safetensors dtypes and their sizes in bytes; the hub never imports torch or numpy, so the
+# header is read here rather than with the safetensors package.
+DTYPES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
+    "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}  # fmt: skip
 
 
 class Refused(Exception):
-    """An upload the hub refuses; status is the HTTP code (400 or 413)."""
+    """An upload the hub refuses; status is the HTTP code (400, 403, 409 or 413)."""
 
     def __init__(self, status: int, reason: str):
         super().__init__(reason)
         self.status = status
 
 
-def check_tgz(path: Path) -> list[str]:
-    """The member names of a valid adapter tgz, or Refused(400) saying what is wrong."""
+def safe_name(name: str) -> str:
+    if not NAME.fullmatch(name or ""):
+        raise Refused(400, f"bad adapter name {name[:60]!r}: letters, digits, - _ . (at most 128)")
+    return name
+
+
+def _check_member(member: tarfile.TarInfo) -> None:
+    if member.issym() or member.islnk():
+        raise Refused(400, f"link in adapter: {member.name[:200]}")
+    if not (member.isfile() or member.isdir()):
+        raise Refused(400, f"special file in adapter: {member.name[:200]}")
+    if member.name.startswith(("/", "\\")) or ".." in Path(member.name).parts:
+        # data_filter would quietly strip a leading slash; an absolute name is refused outright.
+        raise Refused(400, f"member outside its folder: {member.name[:200]}")
     try:
-        with tarfile.open(path, "r:gz") as tar:
-            members = tar.getmembers()
-    except (tarfile.TarError, OSError, EOFError) as e:
-        raise Refused(400, f"not a readable tgz: {e}") from e
-    root = Path("/adapter-root")
-    for m in members:
-        if m.issym() or m.islnk():
-            raise Refused(400, f"link in adapter: {m.name}")
-        if not (m.isfile() or m.isdir()):
-            raise Refused(400, f"special file in adapter: {m.name}")
-        if m.name.startswith(("/", "\\")) or ".." in Path(m.name).parts:
-            # data_filter would quietly strip a leading slash; an absolute name is refused outright.
-            raise Refused(400, f"member outside its folder: {m.name}")
+        # tarfile's own filter judges paths (absolute, '..', outside the destination).
+        tarfile.data_filter(member, "/adapter-root")
+    except tarfile.FilterError as e:
+        raise Refused(400, f"member outside its folder: {member.name[:200]} ({e})") from e
+
+
+class _SafetensorsHeader:
+    """Reads a safetensors file as it streams by and checks that its header parses and that its
+    tensors fill exactly the bytes after it."""
+
+    def __init__(self, size: int):
+        self.size, self.head = size, b""
+
+    def feed(self, chunk: bytes) -> None:
+        if len(self.head) < 8 + READ:
+            self.head += chunk[: 8 + READ - len(self.head)]
+
+    def check(self) -> None:
+        if self.size < 8 or len(self.head) < 8:
+            raise Refused(400, "safetensors file too short for its header")
+        (length,) = struct.unpack("<Q", self.head[:8])
+        if length > min(self.size - 8, READ):
+            raise Refused(400, f"safetensors header of {length} bytes does not fit the file")
         try:
-            # tarfile's own filter judges paths (absolute, '..', outside the destination).
-            tarfile.data_filter(m, str(root))
-        except tarfile.FilterError as e:
-            raise Refused(400, f"member outside its folder: {m.name} ({e})") from e
-    # The field's client extracts the tgz and loads the folder itself: the files sit at the top.
-    top = {Path(m.name).name for m in members if m.isfile() and len(Path(m.name).parts) == 1}
+            header = json.loads(self.head[8 : 8 + length])
+        except (UnicodeDecodeError, ValueError) as e:
+            raise Refused(400, f"safetensors header does not parse: {e}") from e
+        if not isinstance(header, dict):
+            raise Refused(400, "safetensors header is not an object")
+        data = self.size - 8 - length
+        spans = []
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            try:
+                dtype, shape, (start, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+                count = math.prod(int(d) for d in shape)
+                ok = dtype in DTYPES and 0 <= start <= end <= data
+                ok = ok and end - start == count * DTYPES[dtype]
+            except (KeyError, TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise Refused(400, f"safetensors header: tensor {str(name)[:80]!r} is malformed")
+            spans.append((start, end))
+        covered = 0
+        for start, end in sorted(spans):
+            if start != covered:
+                raise Refused(400, "safetensors header: tensors overlap or leave gaps")
+            covered = end
+        if covered != data:
+            raise Refused(400, "safetensors header does not describe the bytes after it")
+
+
+def check_tgz(path: Path, expand_limit: int = 1 << 40) -> list[str]:
+    """The member names of a valid adapter tgz, read to its last byte, or Refused saying why."""
+    names, top, expanded = [], set(), 0
+    try:
+        # A tar stream over GzipFile: GzipFile checks the CRC and length when it reaches the end.
+        with gzip.open(path, "rb") as gz, tarfile.open(fileobj=gz, mode="r|") as tar:
+            for member in tar:
+                _check_member(member)
+                names.append(member.name)
+                expanded += tarfile.BLOCKSIZE + member.size
+                if expanded > expand_limit:
+                    raise Refused(413, f"adapter expands past the limit of {expand_limit} bytes")
+                if not member.isfile():
+                    continue
+                parts = Path(member.name).parts
+                if len(parts) == 1 or (len(parts) == 2 and parts[0] == "."):
+                    top.add(parts[-1])
+                tensors = (
+                    _SafetensorsHeader(member.size) if parts[-1].endswith(".safetensors") else None
+                )
+                stream = tar.extractfile(member)
+                while chunk := stream.read(READ):
+                    if tensors:
+                        tensors.feed(chunk)
+                if tensors:
+                    tensors.check()
+            # Read the gzip stream to its end: only there are its CRC and length checked.
+            while chunk := gz.read(READ):
+                expanded += len(chunk)
+                if expanded > expand_limit:
+                    raise Refused(413, f"adapter expands past the limit of {expand_limit} bytes")
+    except Refused:
+        raise
+    except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
+        raise Refused(400, f"not a whole, readable tgz: {e}") from e
     if "adapter_config.json" not in top:
         raise Refused(400, "adapter has no adapter_config.json at the top of the tgz")
     if not top & set(WEIGHTS):
         raise Refused(
             400, "adapter has no weights (adapter_model.safetensors or .bin) at the top of the tgz"
         )
-    return [m.name for m in members]
+    return names
 
 
-def safe_name(name: str) -> str:
-    if (
-        not name
-        or any(
-            c not in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_."
-            for c in name
-        )
-        or name.startswith(".")
-    ):
-        raise Refused(400, f"bad adapter name {name!r}")
-    return name
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(READ):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 class AdapterStore:
@@ -77,6 +172,15 @@ class AdapterStore:
         self.size_limit, self.piece = size_limit, piece
         (self.root / "adapters").mkdir(parents=True, exist_ok=True)
         (self.root / "pieces").mkdir(parents=True, exist_ok=True)
+        self.clean()
+
+    def clean(self) -> None:
+        """Remove what a crash can leave: temporary files, and piece sets whose marker is unreadable."""
+        for debris in [*self.root.glob("*.upload"), *self.root.glob("pieces/*/*.tmp")]:
+            debris.unlink(missing_ok=True)
+        for folder in (self.root / "pieces").iterdir():
+            if self._marker(folder) is None:
+                shutil.rmtree(folder, ignore_errors=True)
 
     def path(self, name: str) -> Path:
         return self.root / "adapters" / f"{safe_name(name)}.tgz"
@@ -84,36 +188,44 @@ class AdapterStore:
     def exists(self, name: str) -> bool:
         return self.path(name).is_file()
 
-    def _keep(self, tmp: Path, name: str) -> int:
+    def new_upload(self) -> tuple[int, Path]:
+        fd, tmp = tempfile.mkstemp(dir=self.root, suffix=".upload")
+        return fd, Path(tmp)
+
+    def keep(self, tmp: Path, name: str) -> int:
+        """Check an uploaded file and keep it under `name`; the temporary file is gone after."""
         try:
             size = tmp.stat().st_size
             if size > self.size_limit:
                 raise Refused(
                     413, f"adapter of {size} bytes is over the limit of {self.size_limit}"
                 )
-            check_tgz(tmp)
-            os.replace(tmp, self.path(name))
+            target = self.path(name)
+            if target.exists() and not name.endswith("-last"):
+                if _digest(target) == _digest(tmp):
+                    return size  # the same bytes again: a retry
+                raise Refused(
+                    409, f"adapter {name} is complete; a complete adapter is never replaced"
+                )
+            check_tgz(tmp, expand_limit=self.size_limit)
+            os.replace(tmp, target)
             return size
         finally:
             tmp.unlink(missing_ok=True)
 
-    def put_whole(self, name: str, chunks) -> int:
-        """Store a whole body streamed as byte chunks; refused past the limit without reading on."""
-        safe_name(name)
-        fd, tmp = tempfile.mkstemp(dir=self.root, suffix=".upload")
-        size = 0
-        with os.fdopen(fd, "wb") as f:
-            for chunk in chunks:
-                size += len(chunk)
-                if size > self.size_limit:
-                    f.close()
-                    Path(tmp).unlink(missing_ok=True)
-                    raise Refused(413, f"adapter body over the limit of {self.size_limit} bytes")
-                f.write(chunk)
-        return self._keep(Path(tmp), name)
+    # -- pieces -----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _marker(folder: Path) -> dict | None:
+        try:
+            marker = json.loads((folder / "marker.json").read_text())
+            return marker if isinstance(marker, dict) and {"of", "first"} <= set(marker) else None
+        except (OSError, ValueError):
+            return None
 
     def put_piece(self, name: str, index: int, of: int, body: bytes) -> dict:
-        """Store piece `index` of `of`; assemble and check when all are in."""
+        """Store piece `index` of `of`; assemble and check when all are in. Piece 0 with other
+        bytes than the stored one begins a new upload (the pieces of two uploads never mix)."""
         safe_name(name)
         most = max(1, math.ceil(self.size_limit / self.piece))
         if of < 1 or of > most:
@@ -128,24 +240,32 @@ class AdapterStore:
                 f"piece {index} of {of} must be {self.piece} bytes (only the last may be short)",
             )
         folder = self.root / "pieces" / name
-        folder.mkdir(exist_ok=True)
-        marker = folder / "of"
-        if marker.exists() and int(marker.read_text()) != of:
-            raise Refused(400, f"of={of} differs from this upload's of={marker.read_text()}")
-        marker.write_text(str(of))
+        marker = self._marker(folder)
+        first = hashlib.sha256(body).hexdigest() if index == 0 else None
+        if index == 0 and (marker is None or marker != {"of": of, "first": first}):
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            tmp = folder / "marker.tmp"
+            tmp.write_text(json.dumps({"of": of, "first": first}))
+            os.replace(tmp, folder / "marker.json")  # never half-written
+            marker = {"of": of, "first": first}
+        if marker is None:
+            raise Refused(409, f"piece {index} of an upload to {name} that has no first piece")
+        if marker["of"] != of:
+            raise Refused(409, f"of={of} differs from this upload's of={marker['of']}")
         tmp = folder / f"{index}.tmp"
         tmp.write_bytes(body)
         os.replace(tmp, folder / f"{index}.part")  # a repeated piece replaces itself
-        have = sorted(int(p.stem) for p in folder.glob("*.part"))
-        if len(have) < of:
-            return {"stored": index, "have": len(have), "of": of, "complete": False}
-        fd, assembled = tempfile.mkstemp(dir=self.root, suffix=".upload")
+        have = sum(1 for i in range(of) if (folder / f"{i}.part").is_file())
+        if have < of:
+            return {"stored": index, "have": have, "of": of, "complete": False}
+        fd, assembled = self.new_upload()
         try:
             with os.fdopen(fd, "wb") as out:
                 for i in range(of):
                     with open(folder / f"{i}.part", "rb") as part:
                         shutil.copyfileobj(part, out)
-            size = self._keep(Path(assembled), name)
+            size = self.keep(assembled, name)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         return {"stored": index, "have": of, "of": of, "complete": True, "size": size}

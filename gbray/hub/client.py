@@ -81,6 +81,12 @@ def unpack_adapter(tgz: Path, into: Path) -> Path:
     return into
 
 
+def _refused_for_good(error: requests.HTTPError) -> bool:
+    """A 4xx other than a time-out or too-many-requests: sending it again cannot help."""
+    status = error.response.status_code if error.response is not None else 0
+    return 400 <= status < 500 and status not in (408, 429)
+
+
 class HubClient:
     def __init__(self, settings: ClientSettings):
         self.settings = settings
@@ -175,13 +181,21 @@ class HubClient:
     # -- progress -------------------------------------------------------------------------------
 
     def _send_kept(self) -> bool:
-        """Send kept notes and checks in order; stop at the first that fails. Holds the lock."""
+        """Send kept notes and checks in order; stop at the first that fails and keep it (the hub
+        is down or restarting). One the hub refuses for good (a 4xx) is dropped, so it cannot hold
+        up the lines after it. Holds the lock."""
         while self.kept:
             kind, body = self.kept[0]
             try:
                 r = self._call(
                     self.once, "POST", f"/v1/training/rounds/{self.round_id}/{kind}", json=body
                 )
+            except requests.HTTPError as e:
+                if not _refused_for_good(e):
+                    return False
+                log.warning("hub: %s refused, dropped: %s", kind, e.response.text[:200])
+                self.kept.popleft()
+                continue
             except requests.RequestException as e:
                 log.debug("hub: %s kept (%d waiting): %s", kind, len(self.kept), e)
                 return False
@@ -232,12 +246,7 @@ class HubClient:
                 send()
                 return True
             except (requests.RequestException, Refused) as e:
-                if (
-                    isinstance(e, requests.HTTPError)
-                    and e.response is not None
-                    and 400 <= e.response.status_code < 500
-                    and e.response.status_code not in (408, 429)
-                ):
+                if isinstance(e, requests.HTTPError) and _refused_for_good(e):
                     log.error(
                         "hub: %s refused: %s %s",
                         what,

@@ -1,18 +1,26 @@
 """The hub's HTTP face (SPEC §8): the paths devices already speak, bearer-token auth, a status page.
 
-Never imports torch. Endpoints are plain `def`s: FastAPI runs them in its thread pool, and the
-store opens a connection per call.
+Everything a device sends is untrusted. A request is judged from its headers before a byte of its
+body is read (a caller without a valid token: 401; a body over its path's limit: 413); every field
+is then bounded, every number finite, every string text that UTF-8 can hold; a round is written
+only by the token that registered it (or an owner). Errors are 4xx with a one-line reason. Uploads
+are checked off the event loop. Never imports torch. Plain `def` endpoints run in FastAPI's thread
+pool, and the store opens a connection per call.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Path as InPath
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import (
     FileResponse,
     HTMLResponse,
@@ -20,10 +28,11 @@ from fastapi.responses import (
     PlainTextResponse,
     Response,
 )
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from starlette.concurrency import run_in_threadpool
 
-from gbray.hub.adapters import AdapterStore, Refused
-from gbray.hub.store import Conflict, NotFound, Store
+from gbray.hub.adapters import AdapterStore, Refused, safe_name
+from gbray.hub.store import Caller, Conflict, Forbidden, NotFound, Store
 
 log = logging.getLogger(__name__)
 PAGE = Path(__file__).parent / "page" / "index.html"
@@ -37,6 +46,8 @@ PAGE_HEADERS = {
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",
 }
+JSON_LIMIT = 1024 * 1024  # a JSON body: an end with its per-tool table is a few kB
+MOST = 10**9  # integers a device may send (steps, turns, seeds)
 
 
 @dataclass(frozen=True)
@@ -49,56 +60,213 @@ class HubSettings:
     size_limit: int = 512 * 1024 * 1024
 
 
+# -- what a device may send ----------------------------------------------------------------------
+
+
+def check_json(value: Any, depth: int = 0) -> Any:
+    """Every value a JSON body holds, checked: finite numbers, integers SQLite and JSON readers
+    can hold, text UTF-8 can encode (no lone surrogates), bounded strings and nesting. The fields
+    a model names are bounded again by their own types."""
+    if depth > 8:
+        raise ValueError("nested more than 8 deep")
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError("numbers must be finite (no NaN or Infinity)")
+    elif isinstance(value, int):
+        if abs(value) > 2**53:
+            raise ValueError("integers must lie within ±2^53")
+    elif isinstance(value, str):
+        if len(value) > 10_000:
+            raise ValueError("strings hold at most 10000 characters")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError("text must be valid Unicode (no lone surrogates)") from e
+    elif isinstance(value, list):
+        if len(value) > 2_000:
+            raise ValueError("lists hold at most 2000 items")
+        for item in value:
+            check_json(item, depth + 1)
+    elif isinstance(value, dict):
+        if len(value) > 2_000:
+            raise ValueError("objects hold at most 2000 keys")
+        for key, item in value.items():
+            check_json(key, depth + 1)
+            check_json(item, depth + 1)
+    return value
+
+
 class Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """A device's JSON body: the named fields typed and bounded, more fields allowed but checked."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _whole_body(cls, data):
+        return check_json(data)
+
+
+Finite = Annotated[float, Field(allow_inf_nan=False, ge=-1e12, le=1e12)]
+Count = Annotated[int, Field(ge=0, le=MOST)]
+Short = Annotated[str, Field(max_length=200)]
 
 
 class RegisterBody(Body):
-    device: str = "unknown"
-    base: str = ""
-    turns: int = 0
+    device: Short = "unknown"
+    base: Short = ""
+    turns: Count = 0
     recipe: dict = {}
 
 
 class NoteBody(Body):
-    line: str
+    line: Annotated[str, Field(max_length=4000)]
 
 
 class CheckBody(Body):
-    step: int | None = None
-    turns: int | None = None
-    valLoss: float | None = None
-    trainLoss: float | None = None
+    step: Count | None = None
+    turns: Count | None = None
+    valLoss: Finite | None = None
+    trainLoss: Finite | None = None
     best: bool | None = None  # whether this point is the best so far
-    lr: float | None = None
+    lr: Finite | None = None
 
 
 class ExamBody(Body):
     """An exam result as the field sends it: `agreement_pct` and `turns`, more fields allowed."""
 
-    agreement_pct: float
-    turns: int | None = None
+    agreement_pct: Annotated[float, Field(ge=0, le=100, allow_inf_nan=False)]
+    turns: Count | None = None
+
+
+class ToolRow(Body):
+    asked: Count | str | None = None
+    before: Annotated[str, Field(max_length=200)] | None = None
+    after: Annotated[str, Field(max_length=200)] | None = None
 
 
 class EndBody(Body):
     status: Literal["done", "failed", "stopped"] = "done"
     baseline: ExamBody | None = None
     result: ExamBody | None = None
-    adapter: str | None = None
-    paper: str | None = None
-    why: str | None = None
-    trained: int | None = 0
-    drawSeed: int | None = None
+    adapter: Annotated[str, Field(max_length=2000)] | None = None
+    paper: Short | None = None
+    why: Annotated[str, Field(max_length=4000)] | None = None
+    trained: Count | None = 0
+    drawSeed: Annotated[int, Field(ge=-(2**53), le=2**53)] | None = None
+    perTool: Annotated[dict[Short, ToolRow], Field(max_length=1000)] | None = None
 
 
 class BaselineBody(Body):
-    scope: str
-    base: str
-    paper: str
-    turns: int
-    answer: int
-    student: str
+    scope: Short
+    base: Short
+    paper: Short
+    turns: Count
+    answer: Count
+    student: Short
     baseline: ExamBody
+
+
+QShort = Annotated[str, Query(max_length=200)]
+QCount = Annotated[int, Query(ge=0, le=MOST)]
+RoundId = Annotated[str, InPath(max_length=200)]
+
+
+# -- the gate: judged from the headers, before the body -----------------------------------------
+
+
+def _bearer(headers: list[tuple[bytes, bytes]]) -> str:
+    for key, value in headers:
+        if key == b"authorization":
+            text = value.decode("latin-1")
+            return text[7:].strip() if text.lower().startswith("bearer ") else ""
+    return ""
+
+
+def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    for key, value in headers:
+        if key == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return -1
+    return None
+
+
+class Gate:
+    """ASGI middleware: a caller of the API without a valid token gets 401, and a body whose
+    Content-Length is over its path's limit 413, before the body is read. The caller found here
+    is handed to the endpoints in the request's state."""
+
+    def __init__(self, app, store: Store, size_limit: int, piece: int):
+        self.app, self.store = app, store
+        self.size_limit, self.piece = size_limit, piece
+
+    def limit(self, method: str, path: str, query: bytes) -> int:
+        if method == "PUT" and path.endswith("/adapter"):
+            return self.piece if b"chunk=" in query else self.size_limit
+        return JSON_LIMIT
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        headers = scope["headers"]
+        token = _bearer(headers)
+        who = await run_in_threadpool(self.store.who, token) if token else None
+        if who is None:
+            headers = {"WWW-Authenticate": "Bearer"}
+            return await _answer(scope, send, 401, "missing or wrong bearer token", headers)
+        length = _content_length(headers)
+        path, query = scope["path"], scope.get("query_string", b"")
+        limit = self.limit(scope["method"], path, query)
+        if length is not None and not 0 <= length <= limit:
+            return await _answer(scope, send, 413, f"a body here holds at most {limit} bytes")
+        chunked = any(k == b"transfer-encoding" for k, _ in headers)
+        if length is None and chunked and limit == JSON_LIMIT:
+            # An adapter may stream; a JSON body says its size first.
+            return await _answer(scope, send, 411, "a JSON body needs a Content-Length")
+        scope.setdefault("state", {})["who"] = who
+        await self.app(scope, receive, send)
+
+
+async def _answer(scope, send, status: int, detail: str, headers: dict | None = None) -> None:
+    response = JSONResponse({"detail": detail}, status_code=status, headers=headers)
+    # Close the connection: the body the client may still be sending is never read.
+    response.headers["Connection"] = "close"
+    await response(scope, None, send)
+
+
+def caller(request: Request) -> Caller:
+    return request.state.who
+
+
+def owner(who: Caller = Depends(caller)) -> Caller:
+    if not who[1]:
+        raise Forbidden("this needs an owner token")
+    return who
+
+
+class RedactTokens(logging.Filter):
+    """Keeps tokens out of the access log (`/?token=...` opens the page)."""
+
+    PATTERN = re.compile(r"(token=)[^&\s\"]+", re.IGNORECASE)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.args:
+            record.args = tuple(
+                self.PATTERN.sub(r"\1***", a) if isinstance(a, str) else a for a in record.args
+            )
+        return True
+
+
+def one_line(error: RequestValidationError) -> str:
+    first = error.errors()[0] if error.errors() else {"loc": (), "msg": "invalid request"}
+    where = ".".join(str(p) for p in first.get("loc", ()))
+    more = len(error.errors()) - 1
+    text = f"{where}: {first.get('msg')}" + (f" (and {more} more)" if more > 0 else "")
+    return " ".join(text.split())[:300]
 
 
 def create_app(settings: HubSettings) -> FastAPI:
@@ -110,36 +278,23 @@ def create_app(settings: HubSettings) -> FastAPI:
         "their curves and adapters, and promotes only rounds that beat their own baseline.",
     )
     app.state.store, app.state.adapters = store, adapters
-
-    def caller(request: Request) -> tuple[str, bool]:
-        auth = request.headers.get("authorization", "")
-        token = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-        who = store.who(token) if token else None
-        if who is None:
-            raise HTTPException(
-                401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
-            )
-        return who
-
-    def owner(who=Depends(caller)) -> tuple[str, bool]:
-        if not who[1]:
-            raise HTTPException(403, "this needs an owner token")
-        return who
+    app.add_middleware(Gate, store=store, size_limit=adapters.size_limit, piece=adapters.piece)
 
     def stop_answer(stop: bool) -> dict:
         return {"stop": True} if stop else {}
 
-    @app.exception_handler(NotFound)
-    def not_found(_request, exc):
-        return JSONResponse({"detail": str(exc)}, status_code=404)
-
-    @app.exception_handler(Conflict)
-    def conflict(_request, exc):
-        return JSONResponse({"detail": str(exc)}, status_code=409)
+    for kind, status in ((NotFound, 404), (Conflict, 409), (Forbidden, 403)):
+        app.add_exception_handler(
+            kind, lambda _r, exc, status=status: JSONResponse({"detail": str(exc)}, status)
+        )
 
     @app.exception_handler(Refused)
     def refused(_request, exc):
         return JSONResponse({"detail": str(exc)}, status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    def invalid(_request, exc):
+        return JSONResponse({"detail": one_line(exc)}, status_code=422)
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     def page():
@@ -150,30 +305,34 @@ def create_app(settings: HubSettings) -> FastAPI:
         return Response(SCRIPT.read_text(), media_type="text/javascript", headers=PAGE_HEADERS)
 
     @app.post("/v1/training/rounds")
-    def register(body: RegisterBody, who=Depends(caller)):
-        return {"id": store.register(body.device or who[0], body.base, body.turns, body.recipe)}
+    def register(body: RegisterBody, who: Caller = Depends(caller)):
+        return {
+            "id": store.register(body.device or who[0], body.base, body.turns, body.recipe, who)
+        }
 
     @app.post("/v1/training/rounds/{round_id}/note")
-    def note(round_id: str, body: NoteBody, _who=Depends(caller)):
-        return stop_answer(store.note(round_id, body.line))
+    def note(round_id: RoundId, body: NoteBody, who: Caller = Depends(caller)):
+        return stop_answer(store.note(round_id, body.line, who))
 
     @app.post("/v1/training/rounds/{round_id}/check")
-    def check(round_id: str, body: CheckBody, _who=Depends(caller)):
-        return stop_answer(store.check(round_id, body.model_dump()))
+    def check(round_id: RoundId, body: CheckBody, who: Caller = Depends(caller)):
+        return stop_answer(store.check(round_id, body.model_dump(), who))
 
     @app.get("/v1/training/rounds/{round_id}")
-    def round_detail(round_id: str, _who=Depends(caller)):
-        """The round with its notes and curve; asking also tells the round whether to stop."""
+    def round_detail(round_id: RoundId, _who: Caller = Depends(caller)):
+        """The round with its notes and curve, and whether it was asked to stop."""
         return {**store.round(round_id), **stop_answer(store.stopping(round_id))}
 
     @app.post("/v1/training/rounds/{round_id}/end")
-    def end(round_id: str, body: EndBody, _who=Depends(caller)):
-        store.end(round_id, body.model_dump())
+    def end(round_id: RoundId, body: EndBody, who: Caller = Depends(caller)):
+        store.end(round_id, body.model_dump(), who)
         return {}
 
     @app.get("/v1/training/slice", response_class=PlainTextResponse)
     def slice_(
-        turns: int = Query(..., ge=1, le=1_000_000), device: str = "unknown", _who=Depends(caller)
+        turns: Annotated[int, Query(ge=1, le=100_000)],
+        device: QShort = "unknown",
+        _who: Caller = Depends(caller),
     ):
         lines = store.take_slice(turns, device, seed=random.randrange(2**31))
         return PlainTextResponse(
@@ -182,7 +341,9 @@ def create_app(settings: HubSettings) -> FastAPI:
 
     @app.get("/v1/training/evalslice", response_class=PlainTextResponse)
     def evalslice(
-        turns: int = Query(..., ge=1, le=100_000), device: str = "unknown", _who=Depends(caller)
+        turns: Annotated[int, Query(ge=1, le=100_000)],
+        device: QShort = "unknown",
+        _who: Caller = Depends(caller),
     ):
         lines, paper, scope = store.paper(turns)
         return PlainTextResponse(
@@ -193,56 +354,48 @@ def create_app(settings: HubSettings) -> FastAPI:
 
     @app.get("/v1/training/baseline")
     def ask_baseline(
-        scope: str,
-        base: str,
-        paper: str,
-        turns: int,
-        answer: int,
-        student: str,
-        device: str = "unknown",
-        _who=Depends(caller),
+        scope: QShort,
+        base: QShort,
+        paper: QShort,
+        turns: QCount,
+        answer: QCount,
+        student: QShort,
+        device: QShort = "unknown",
+        _who: Caller = Depends(caller),
     ):
         return store.ask_baseline((scope, base, paper, turns, answer, student), device)
 
     @app.post("/v1/training/baseline")
-    def tell_baseline(body: BaselineBody, who=Depends(caller)):
+    def tell_baseline(body: BaselineBody, who: Caller = Depends(caller)):
         key = (body.scope, body.base, body.paper, body.turns, body.answer, body.student)
-        store.tell_baseline(
-            key, body.baseline.model_dump(), getattr(body, "device", None) or who[0]
-        )
+        device = getattr(body, "device", None)
+        by = device if isinstance(device, str) and 0 < len(device) <= 200 else who[0]
+        store.tell_baseline(key, body.baseline.model_dump(), by)
         return {}
 
     @app.put("/v1/training/rounds/{round_id}/adapter")
     async def put_adapter(
-        round_id: str,
+        round_id: RoundId,
         request: Request,
-        part: str | None = None,
-        chunk: int | None = None,
-        of: int | None = None,
-        _who=Depends(caller),
+        part: Literal["last"] | None = None,
+        chunk: Annotated[int, Query(ge=0, le=10_000)] | None = None,
+        of: Annotated[int, Query(ge=1, le=10_000)] | None = None,
+        who: Caller = Depends(caller),
     ):
-        store.round(round_id)  # 404 for an unknown round, before reading a byte
-        if part not in (None, "last"):
-            raise Refused(400, "part must be 'last' or absent")
-        name = round_id + ("-last" if part == "last" else "")
+        # Judged before a byte of the body is read: the round exists and is this token's.
+        await run_in_threadpool(store.writable, round_id, who)
+        name = safe_name(round_id + ("-last" if part == "last" else ""))
         if (chunk is None) != (of is None):
             raise Refused(400, "chunk and of go together")
         if chunk is None:
-            body = []
-            size = 0
-            async for piece in request.stream():
-                size += len(piece)
-                if size > adapters.size_limit:
-                    raise Refused(
-                        413, f"adapter body over the limit of {adapters.size_limit} bytes"
-                    )
-                body.append(piece)
-            return {"name": name, "size": adapters.put_whole(name, body)}
+            tmp = await _receive_to_file(request, adapters)
+            size = await run_in_threadpool(adapters.keep, tmp, name)
+            return {"name": name, "size": size}
         body = await _read_limited(request, adapters.piece)
-        return {"name": name, **adapters.put_piece(name, chunk, of, body)}
+        return {"name": name, **await run_in_threadpool(adapters.put_piece, name, chunk, of, body)}
 
     @app.get("/v1/training/adapters/{name}")
-    def get_adapter(name: str, _who=Depends(caller)):
+    def get_adapter(name: Annotated[str, InPath(max_length=200)], _who: Caller = Depends(caller)):
         if not adapters.exists(name):
             raise NotFound(f"no adapter {name}")
         return FileResponse(
@@ -250,27 +403,47 @@ def create_app(settings: HubSettings) -> FastAPI:
         )
 
     @app.get("/v1/training/state")
-    def state(_who=Depends(caller)):
+    def state(_who: Caller = Depends(caller)):
         return store.state()
 
     @app.post("/v1/training/rounds/{round_id}/stop")
-    def stop(round_id: str, _who=Depends(owner)):
+    def stop(round_id: RoundId, _who: Caller = Depends(owner)):
         store.request_stop(round_id)
         return {"stopping": round_id}
 
     @app.post("/v1/training/rounds/{round_id}/promote")
-    def promote(round_id: str, _who=Depends(owner)):
+    def promote(round_id: RoundId, _who: Caller = Depends(owner)):
         return {"serving": store.promote(round_id, round_id, adapters.exists(round_id))}
 
     @app.get("/v1/training/serving")
-    def serving(_who=Depends(caller)):
+    def serving(_who: Caller = Depends(caller)):
         return {"serving": store.serving()}
 
     @app.get("/v1/whoami", include_in_schema=False)
-    def whoami(who=Depends(caller)):
+    def whoami(who: Caller = Depends(caller)):
         return {"name": who[0], "owner": who[1]}
 
     return app
+
+
+async def _receive_to_file(request: Request, adapters: AdapterStore) -> Path:
+    """A whole adapter body streamed to a temporary file; refused past the limit without
+    reading on."""
+    fd, tmp = adapters.new_upload()
+    size = 0
+    try:
+        with open(fd, "wb") as f:
+            async for piece in request.stream():
+                size += len(piece)
+                if size > adapters.size_limit:
+                    raise Refused(
+                        413, f"adapter body over the limit of {adapters.size_limit} bytes"
+                    )
+                f.write(piece)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
 
 
 async def _read_limited(request: Request, limit: int) -> bytes:
@@ -278,13 +451,14 @@ async def _read_limited(request: Request, limit: int) -> bytes:
     async for piece in request.stream():
         data.extend(piece)
         if len(data) > limit:
-            raise Refused(400, f"a piece holds at most {limit} bytes")
+            raise Refused(413, f"a piece holds at most {limit} bytes")
     return bytes(data)
 
 
 def serve(settings: HubSettings) -> None:
     import uvicorn
 
+    logging.getLogger("uvicorn.access").addFilter(RedactTokens())
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
 
 
@@ -296,6 +470,7 @@ class EmbeddedHub:
 
         self.settings = settings
         self.url = f"http://{settings.host}:{settings.port}"
+        logging.getLogger("uvicorn.access").addFilter(RedactTokens())
         config = uvicorn.Config(
             create_app(settings), host=settings.host, port=settings.port, log_level="warning"
         )

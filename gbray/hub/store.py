@@ -29,7 +29,8 @@ CREATE TABLE IF NOT EXISTS tokens (name TEXT PRIMARY KEY, hash TEXT UNIQUE NOT N
 CREATE TABLE IF NOT EXISTS rounds (
     id TEXT PRIMARY KEY, device TEXT, base TEXT, turns INTEGER, recipe TEXT, status TEXT NOT NULL,
     created REAL NOT NULL, updated REAL NOT NULL, ended REAL, baseline REAL, result REAL, adapter TEXT,
-    paper TEXT, why TEXT, trained INTEGER, draw_seed INTEGER, end_body TEXT, stop INTEGER DEFAULT 0);
+    paper TEXT, why TEXT, trained INTEGER, draw_seed INTEGER, end_body TEXT, stop INTEGER DEFAULT 0,
+    token TEXT);
 CREATE TABLE IF NOT EXISTS notes (seq INTEGER PRIMARY KEY AUTOINCREMENT, round TEXT NOT NULL, line TEXT,
     at REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS notes_round ON notes(round, seq);
@@ -51,6 +52,14 @@ class NotFound(Exception):
     pass
 
 
+class Forbidden(Exception):
+    """A token writing what is not its own (403)."""
+
+
+# Who is calling: the token's name and whether it is an owner's.
+Caller = tuple[str, bool]
+
+
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
@@ -63,9 +72,11 @@ class Store:
         with self.connect() as db:
             db.execute("PRAGMA journal_mode=WAL")
             db.executescript(SCHEMA)
-            columns = {r["name"] for r in db.execute("PRAGMA table_info(baselines)")}
-            if "body" not in columns:  # a database from before baselines were kept as objects
-                db.execute("ALTER TABLE baselines ADD COLUMN body TEXT")
+            # Columns added since the first hubs; their databases gain them on start.
+            for table, column in (("baselines", "body"), ("rounds", "token")):
+                names = {r["name"] for r in db.execute(f"PRAGMA table_info({table})")}
+                if column not in names:
+                    db.execute(f"ALTER TABLE {table} ADD COLUMN {column} TEXT")
 
     @contextmanager
     def connect(self):
@@ -152,20 +163,14 @@ class Store:
         return row["value"] if row else "hub-empty"
 
     def take_slice(self, want: int, device: str, seed: int) -> list[str]:
-        """Draw `want` untaken train turns with the shared sampler and mark them taken by device.
-        When too few are left, the corpus starts a new pass (every mark is cleared)."""
+        """Draw at most `want` untaken train turns with the shared sampler and mark them taken by
+        device. Only what is untaken is drawn from: marks are cleared by the owner, never by a
+        device's request (`gbray hub marks clear`)."""
         with self.transaction() as db:
             rows = db.execute(
                 "SELECT id, tool, tier FROM turns WHERE split = 'train' AND taken_by IS NULL "
                 "ORDER BY id"
             ).fetchall()
-            if len(rows) < want:
-                db.execute(
-                    "UPDATE turns SET taken_by = NULL, taken_at = NULL WHERE split = 'train'"
-                )
-                rows = db.execute(
-                    "SELECT id, tool, tier FROM turns WHERE split = 'train' ORDER BY id"
-                ).fetchall()
             picked = draw([r["tool"] for r in rows], [r["tier"] for r in rows], want, seed=seed)
             ids = [rows[i]["id"] for i in picked]
             now = time.time()
@@ -180,6 +185,13 @@ class Store:
                 for r in db.execute(f"SELECT id, line FROM turns WHERE id IN ({marks})", part):
                     lines[r["id"]] = r["line"]
         return [lines[i] for i in ids]
+
+    def clear_marks(self) -> int:
+        """The owner's act: every train turn is untaken again (a new pass over the corpus)."""
+        with self.transaction() as db:
+            return db.execute(
+                "UPDATE turns SET taken_by = NULL, taken_at = NULL WHERE taken_by IS NOT NULL"
+            ).rowcount
 
     def paper(self, turns: int) -> tuple[list[str], str, str]:
         with self.connect() as db:
@@ -211,37 +223,52 @@ class Store:
 
     # -- rounds ---------------------------------------------------------------------------------
 
-    def register(self, device: str, base: str, turns: int, recipe: dict) -> str:
+    def register(self, device: str, base: str, turns: int, recipe: dict, who: Caller) -> str:
+        """A new round, owned by the token that registered it."""
         round_id = time.strftime("r%Y%m%d-%H%M%S-") + secrets.token_hex(3)
         now = time.time()
         with self.transaction() as db:
             db.execute(
-                "INSERT INTO rounds (id, device, base, turns, recipe, status, created, updated) "
-                "VALUES (?, ?, ?, ?, ?, 'running', ?, ?)",
-                (round_id, device, base, turns, json.dumps(recipe), now, now),
+                "INSERT INTO rounds (id, device, base, turns, recipe, status, created, updated, token) "
+                "VALUES (?, ?, ?, ?, ?, 'running', ?, ?, ?)",
+                (round_id, device, base, turns, json.dumps(recipe), now, now, who[0]),
             )
         return round_id
 
-    def _touch(self, db, round_id: str) -> bool:
-        """Mark the round alive; returns whether the owner asked it to stop."""
-        row = db.execute("SELECT stop FROM rounds WHERE id = ?", (round_id,)).fetchone()
+    def _own(self, db, round_id: str, who: Caller) -> sqlite3.Row:
+        """The round's row, if `who` may write it: the token that registered it, or an owner."""
+        row = db.execute(
+            "SELECT stop, token, ended, end_body FROM rounds WHERE id = ?", (round_id,)
+        ).fetchone()
         if row is None:
             raise NotFound(f"no round {round_id}")
+        if not who[1] and row["token"] != who[0]:
+            raise Forbidden(f"round {round_id} belongs to another token")
+        return row
+
+    def writable(self, round_id: str, who: Caller) -> None:
+        """Raises unless `who` may write the round (checked before an upload is read)."""
+        with self.connect() as db:
+            self._own(db, round_id, who)
+
+    def _touch(self, db, round_id: str, who: Caller) -> bool:
+        """Mark the round alive; returns whether the owner asked it to stop."""
+        row = self._own(db, round_id, who)
         db.execute("UPDATE rounds SET updated = ? WHERE id = ?", (time.time(), round_id))
         return bool(row["stop"])
 
-    def note(self, round_id: str, line: str) -> bool:
+    def note(self, round_id: str, line: str, who: Caller) -> bool:
         with self.transaction() as db:
-            stop = self._touch(db, round_id)
+            stop = self._touch(db, round_id, who)
             db.execute(
                 "INSERT INTO notes (round, line, at) VALUES (?, ?, ?)",
                 (round_id, line, time.time()),
             )
         return stop
 
-    def check(self, round_id: str, point: dict) -> bool:
+    def check(self, round_id: str, point: dict, who: Caller) -> bool:
         with self.transaction() as db:
-            stop = self._touch(db, round_id)
+            stop = self._touch(db, round_id, who)
             db.execute(
                 "INSERT INTO checks (round, step, turns, val_loss, train_loss, best, lr, at) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
@@ -259,17 +286,27 @@ class Store:
         return stop
 
     def stopping(self, round_id: str) -> bool:
-        with self.transaction() as db:
-            return self._touch(db, round_id)
+        with self.connect() as db:
+            row = db.execute("SELECT stop FROM rounds WHERE id = ?", (round_id,)).fetchone()
+        if row is None:
+            raise NotFound(f"no round {round_id}")
+        return bool(row["stop"])
 
-    def end(self, round_id: str, body: dict) -> None:
-        """Store a round's end; `baseline` and `result` are exam objects (`agreement_pct`) or None."""
+    def end(self, round_id: str, body: dict, who: Caller) -> None:
+        """Store a round's end, once; `baseline` and `result` are exam objects (`agreement_pct`)
+        or None. The same end again is a retry and changes nothing; another end is refused."""
 
         def agreement(exam: dict | None) -> float | None:
             return float(exam["agreement_pct"]) if exam else None
 
+        text = json.dumps(body, sort_keys=True)
         with self.transaction() as db:
-            self._touch(db, round_id)
+            row = self._own(db, round_id, who)
+            if row["ended"] is not None:
+                if row["end_body"] == text:
+                    return
+                raise Conflict(f"round {round_id} has already ended; a round ends once")
+            self._touch(db, round_id, who)
             db.execute(
                 "UPDATE rounds SET status = ?, ended = ?, baseline = ?, result = ?, adapter = ?, paper = ?,"
                 " why = ?, trained = ?, draw_seed = ?, end_body = ? WHERE id = ?",
@@ -283,7 +320,7 @@ class Store:
                     body.get("why"),
                     int(body.get("trained") or 0),
                     body.get("drawSeed"),
-                    json.dumps(body),
+                    text,
                     round_id,
                 ),
             )
