@@ -311,7 +311,7 @@ def test_bad_uploads_are_refused_and_nothing_is_stored(hub, case):
         r = api(hub, "PUT", path, params={"chunk": 0, "of": 3}, data=b"x" * 100)
     assert 400 <= r.status_code < 500, (r.status_code, r.text)
     assert api(hub, "GET", f"/v1/training/adapters/{rid}").status_code == 404
-    assert not list((hub.store / "pieces").glob(f"{rid}*/*.part"))
+    assert not list((hub.store / "pieces").glob(f"{rid}*/*"))
     assert not list(hub.store.glob("*.upload"))
 
 

@@ -362,7 +362,8 @@ def test_start_up_cleans_what_a_crash_left(tmp_path):
     wedged = h.store / "pieces" / f"{rid}-last"
     wedged.mkdir(parents=True)
     (wedged / "marker.json").write_text('{"of": 2, "tok')  # half-written
-    (wedged / "0.part").write_bytes(b"x" * 10)
+    (wedged / "data.upload").write_bytes(b"x" * 10)
+    (wedged / "0.done").touch()
     (wedged / "1.tmp").write_bytes(b"x" * 10)
     h.start()
     try:

@@ -11,6 +11,7 @@ import hashlib
 import json
 import secrets
 import sqlite3
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -69,6 +70,7 @@ class Store:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.claim_timeout = claim_timeout
+        self._local = threading.local()
         with self.connect() as db:
             db.execute("PRAGMA journal_mode=WAL")
             db.executescript(SCHEMA)
@@ -80,13 +82,18 @@ class Store:
 
     @contextmanager
     def connect(self):
-        db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
-        db.row_factory = sqlite3.Row
-        db.execute("PRAGMA busy_timeout=30000")
-        try:
-            yield db
-        finally:
-            db.close()
+        """This thread's connection (one per thread: the server's workers never share one, and
+        opening one per call was a large part of a note's time)."""
+        db = getattr(self._local, "db", None)
+        if db is None:
+            db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
+            db.row_factory = sqlite3.Row
+            db.execute("PRAGMA busy_timeout=30000")
+            # With WAL, NORMAL keeps the database consistent through any crash; only a power
+            # loss can drop the last commits. FULL synced every note to disk.
+            db.execute("PRAGMA synchronous=NORMAL")
+            self._local.db = db
+        yield db
 
     @contextmanager
     def transaction(self):
