@@ -52,10 +52,20 @@ def _stop_poll(hub):
     return should_stop
 
 
-@ray.remote(max_restarts=0, max_task_retries=0)
+# A trainer Ray restarts (its process crashed, or its node came back) carries on from its last
+# checkpoint: the train call is run again and finds OUT/last/resume.pt.
+@ray.remote(max_restarts=1, max_task_retries=1, max_concurrency=2)
 class TrainerActor:
     def __init__(
-        self, model: str, adapter: str | None, recipe: dict, out: str, log_path: str, hub=None
+        self,
+        model: str,
+        adapter: str | None,
+        recipe: dict,
+        out: str,
+        log_path: str,
+        hub=None,
+        start_name: str | None = None,
+        run_id: str | None = None,
     ):
         from gbray.platform import process_record
         from gbray.settings import Recipe
@@ -75,18 +85,32 @@ class TrainerActor:
             on_saved=(lambda kind, path: hub.put_adapter.remote(str(path), kind))
             if hub is not None
             else (lambda kind, path: None),
+            start_name=start_name,
+            # A slower machine, simulated: set in the actor's runtime_env by tests of shares.
+            pause_per_turn=float(os.environ.get("GBRAY_SIMULATED_SLOWDOWN", "0") or 0),
+            run_id=run_id,
         )
 
     def pid(self) -> int:
         return os.getpid()
 
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
     def process(self) -> dict:
         return self.record
 
-    def train(self, train_turns: list[dict], val_turns: list[dict]) -> dict:
-        summary = self.trainer.train(train_turns, val_turns)
-        summary["pid"] = os.getpid()
-        return summary
+    def resumed(self) -> dict | None:
+        """The step and optimizer digest this trainer carried on from, if it resumed."""
+        return self.trainer.resumed
+
+    def probe(self, turns: list[dict]) -> float:
+        return self.trainer.probe(turns)
+
+    def train(self, train_turns: list[dict], val_turns: list[dict]):
+        from dataclasses import replace
+
+        return replace(self.trainer.train(train_turns, val_turns), pid=os.getpid())
 
 
 @ray.remote(max_restarts=0, max_task_retries=0)
@@ -116,25 +140,21 @@ class ExaminerActor:
     def pid(self) -> int:
         return os.getpid()
 
-    def exam(self, turns: list[dict], answer_budget: int, max_len: int, batch: int) -> dict:
+    def exam(self, turns: list[dict], answer_budget: int, max_len: int, batch: int):
         return self.examiner.exam(turns, answer_budget, max_len, batch)
 
 
 @ray.remote(max_restarts=0, max_task_retries=0, concurrency_groups={"slow": 2})
 class HubActor:
-    """The round's one hub client. Notes, checks and stop polls share the default group (one
-    thread, so one caller's notes stay in order); uploads and other driver calls run in their own
-    threads, so a long upload does not hold up notes."""
+    """One round's hub client. Notes, checks and stop polls share the default group (one
+    thread, so one caller's notes stay in order); uploads and the driver's other calls run in
+    their own threads, so a long upload does not hold up notes."""
 
     def __init__(self, settings: dict):
         from gbray.hub.client import ClientSettings, HubClient
 
         logging.basicConfig(level=logging.INFO, format="%(message)s", force=True)
         self.client = HubClient(ClientSettings(**settings))
-
-    @ray.method(concurrency_group="slow")
-    def call(self, method: str, *args):
-        return getattr(self.client, method)(*args)
 
     def note(self, line: str) -> bool:
         return self.client.note(line)
@@ -146,5 +166,71 @@ class HubActor:
         return self.client.stopped()
 
     @ray.method(concurrency_group="slow")
+    def register(self, base: str, turns: int, recipe: dict) -> str | None:
+        return self.client.register(base, turns, recipe)
+
+    @ray.method(concurrency_group="slow")
+    def slice(self, turns: int):
+        return self.client.slice(turns)
+
+    @ray.method(concurrency_group="slow")
+    def paper(self, turns: int):
+        return self.client.paper(turns)
+
+    @ray.method(concurrency_group="slow")
+    def ask_baseline(self, key: dict):
+        return self.client.ask_baseline(key)
+
+    @ray.method(concurrency_group="slow")
+    def tell_baseline(self, key: dict, exam: dict) -> None:
+        return self.client.tell_baseline(key, exam)
+
+    @ray.method(concurrency_group="slow")
+    def get_adapter(self, name: str, into: str) -> str:
+        return str(self.client.get_adapter(name, Path(into)))
+
+    @ray.method(concurrency_group="slow")
     def put_adapter(self, folder: str, part: str | None = None) -> str | None:
         return self.client.put_adapter(Path(folder), None if part in (None, "best") else part)
+
+    @ray.method(concurrency_group="slow")
+    def end(self, body: dict) -> bool:
+        return self.client.end(body)
+
+
+class RayHub:
+    """The `Hub` a round with a hub holds: its client lives in a HubActor, so trainers and
+    examiners on any node report through the same one."""
+
+    def __init__(self, settings: dict):
+        self.actor = HubActor.remote(settings)
+
+    def register(self, base: str, turns: int, recipe: dict) -> str | None:
+        return ray.get(self.actor.register.remote(base, turns, recipe))
+
+    def note(self, line: str) -> None:
+        self.actor.note.remote(line)
+
+    def stopped(self) -> bool:
+        return ray.get(self.actor.stopped.remote())
+
+    def slice(self, turns: int):
+        return ray.get(self.actor.slice.remote(turns))
+
+    def paper(self, turns: int):
+        return ray.get(self.actor.paper.remote(turns))
+
+    def ask_baseline(self, key: dict):
+        return ray.get(self.actor.ask_baseline.remote(key))
+
+    def tell_baseline(self, key: dict, exam: dict) -> None:
+        ray.get(self.actor.tell_baseline.remote(key, exam))
+
+    def get_adapter(self, name: str, into: Path) -> Path:
+        return Path(ray.get(self.actor.get_adapter.remote(name, str(into))))
+
+    def put_adapter(self, folder: Path, part: str | None = None) -> str | None:
+        return ray.get(self.actor.put_adapter.remote(str(folder), part))
+
+    def end(self, body: dict) -> bool:
+        return ray.get(self.actor.end.remote(body))

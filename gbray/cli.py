@@ -273,6 +273,28 @@ def cmd_demo(args) -> int:
     return 0 if record["status"] == "done" else 1
 
 
+def cmd_merge(args) -> int:
+    """Join adapters (folders or hub:NAME) into one; prints the merge report as JSON."""
+    from gbray.merge import merge_folders
+
+    folders = []
+    for i, name in enumerate(args.adapters):
+        if name.startswith("hub:"):
+            from gbray.hub.client import ClientSettings, HubClient
+
+            token = args.token or os.environ.get("GB_TOKEN") or os.environ.get("GBRAY_TOKEN")
+            hub = args.hub or os.environ.get("GB_HUB")
+            if not (hub and token):
+                raise ValueError(f"{name} needs --hub and --token (or $GB_HUB and $GB_TOKEN)")
+            client = HubClient(ClientSettings(url=hub, token=token))
+            folders.append(client.get_adapter(name[4:], args.out.parent / f".fetch-{i}"))
+        else:
+            folders.append(Path(name))
+    report = merge_folders(folders, args.out, args.method, args.turns, args.max_rank)
+    print(json.dumps({"out": str(args.out), **report.as_dict()}))
+    return 0
+
+
 def cmd_hub_serve(args) -> int:
     from gbray.hub.server import HubSettings, serve
 
@@ -485,6 +507,38 @@ def build_parser() -> argparse.ArgumentParser:
     add_hub_parser(verbs)
 
     p = verbs.add_parser(
+        "merge",
+        help="join shares' adapters into one (cat, svd or fedavg), weighted by turns trained",
+        description="Merges PEFT LoRA adapter folders (or hub:NAME) trained from one start; "
+        "refuses adapters of other shapes or starts with a one-line reason.",
+    )
+    p.add_argument("adapters", nargs="+", help="adapter folders, or hub:NAME")
+    p.add_argument("--out", type=Path, required=True, help="the merged adapter's folder")
+    p.add_argument(
+        "--method",
+        default="cat",
+        choices=("cat", "svd", "fedavg"),
+        help="cat: the exact average of the updates B·A at rank N·r; svd: that average brought "
+        "back to rank r (its residual reported); fedavg: A and B averaged weight for weight, "
+        "as the field does (inexact) (default %(default)s)",
+    )
+    p.add_argument(
+        "--turns",
+        type=float,
+        nargs="+",
+        help="turns each adapter trained (the weights; default equal)",
+    )
+    p.add_argument(
+        "--max-rank",
+        type=int,
+        default=256,
+        help="cat past this rank falls back to svd (default %(default)s)",
+    )
+    p.add_argument("--hub", help="hub URL, for hub:NAME adapters (default: $GB_HUB)")
+    p.add_argument("--token", help="hub token (default: $GB_TOKEN)")
+    p.set_defaults(func=cmd_merge)
+
+    p = verbs.add_parser(
         "round",
         help="one round: baseline exam, training within the hours, result exam",
         formatter_class=HelpFormatter,
@@ -527,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.verbose)
     try:
         return args.func(args)
-    except (DataError, ValueError, FileNotFoundError) as e:
+    except (DataError, ValueError, FileNotFoundError) as e:  # MergeError is a ValueError
         print(f"gbray: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

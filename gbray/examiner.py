@@ -18,15 +18,11 @@ from gbray.data.fit import fit_prompt
 from gbray.data.turns import tool_of_answer
 from gbray.model import load_student
 from gbray.platform import set_threads
+from gbray.results import ExamResult, ExamStopped
 
 log = logging.getLogger(__name__)
 
 NO_TOOL = "(no tool)"
-
-
-class ExamStopped(Exception):
-    """The owner asked the round to stop during this exam: there is no result (a partial exam is
-    never one)."""
 
 
 def score(asked: list[str], answered: list[str | None]) -> dict:
@@ -94,7 +90,7 @@ class Examiner:
         )
         return self.tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
 
-    def exam(self, turns: list[dict], answer_budget: int, max_len: int, batch: int) -> dict:
+    def exam(self, turns: list[dict], answer_budget: int, max_len: int, batch: int) -> ExamResult:
         started = time.monotonic()
         last_note = started
         asked, answered, samples = [], [], []
@@ -124,14 +120,11 @@ class Examiner:
             answered.append(tool_of_answer(results[j]))
             if len(samples) < 5:
                 samples.append({"asked": turns[j]["tool"], "answer": results[j][:200]})
-        scored = score(asked, answered)
-        scored.update(
-            {
-                "minutes": round((time.monotonic() - started) / 60, 2),
-                "pid": os.getpid(),
-                "shortened": sum(f[1] for f in fitted),
-                "samples": samples,
-                "threads": self.threads,
-            }
+        return ExamResult(
+            **score(asked, answered),
+            minutes=round((time.monotonic() - started) / 60, 2),
+            pid=os.getpid(),
+            shortened=sum(f[1] for f in fitted),
+            samples=samples,
+            threads=self.threads,
         )
-        return scored

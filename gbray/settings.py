@@ -192,6 +192,25 @@ class RoundSettings:
         False, "do not measure the start: train, then examine the result only"
     )
     address: str | None = setting(None, "Ray cluster address; default: a local Ray")
+    shares: int = setting(
+        1, "trainers that train disjoint parts of the slice, spread over the cluster's machines"
+    )
+    merge_method: str = setting(
+        "cat",
+        "how shares are joined: cat (the exact average of the updates), svd (brought back to "
+        "rank r), fedavg (A and B averaged, as the field does; inexact)",
+        choices=("cat", "svd", "fedavg"),
+    )
+    examine_shares: bool = setting(
+        False, "also examine each share's own adapter on the paper (to compare with the merge)"
+    )
+    share_grace: float = setting(
+        120.0,
+        "seconds a share's machine may be gone (after another share finished) before the "
+        "share is left out",
+    )
+    # Per share, extra Ray actor options (tests throttle or pin a share with them); not a flag.
+    share_options: tuple = ()
     recipe: Recipe = field(default_factory=Recipe)
 
     def validate(self) -> None:
@@ -207,6 +226,10 @@ class RoundSettings:
             problems.append("--no-fetch needs --data")
         if self.measure_only and self.skip_baseline:
             problems.append("--measure-only and --skip-baseline exclude each other")
+        if not 1 <= self.shares <= 64:
+            problems.append("--shares must be 1 to 64")
+        if not self.share_grace > 0:
+            problems.append("--share-grace must be > 0")
         if problems:
             raise ValueError("; ".join(problems))
 

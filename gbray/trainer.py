@@ -6,6 +6,7 @@ It is handed `report(line)` for progress lines, `on_check(point)` for validation
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -20,6 +21,7 @@ import torch
 from gbray.data.fit import Example, collate, make_examples
 from gbray.model import answer_loss, load_student
 from gbray.platform import set_threads
+from gbray.results import TrainSummary
 from gbray.settings import Recipe
 
 log = logging.getLogger(__name__)
@@ -90,6 +92,7 @@ class Timing:
     deadline: float
     data_total: int
     speed_from: float = 0.0
+    speed_step: int = 1  # the step speed is measured from
     last_val: float = 0.0
     last_save: float = 0.0
 
@@ -114,6 +117,9 @@ class TrainState:
     why: str = "finished"
 
 
+RESUME_FILE = "resume.pt"
+
+
 class Trainer:
     def __init__(
         self,
@@ -126,9 +132,18 @@ class Trainer:
         should_stop: Callable[[], bool] = lambda: False,
         on_saved: Callable[[str, Path], None] = _nothing,
         clock: Callable[[], float] = time.monotonic,
+        start_name: str | None = None,
+        pause_per_turn: float = 0.0,
+        run_id: str | None = None,
     ):
         self.recipe, self.out = recipe, Path(out)
         self.on_saved = on_saved
+        self.start = start_name
+        self.resumed: dict | None = None
+        # Seconds idled after every turn-pass: a slower machine, simulated (tests of shares).
+        self.pause_per_turn = pause_per_turn
+        # Only a checkpoint of this same run is carried on from (a restarted actor keeps it).
+        self.run_id = run_id
         self.report, self.on_check, self.should_stop, self.clock = (
             report,
             on_check,
@@ -170,6 +185,8 @@ class Trainer:
             self.report(f"skipped a non-finite loss ({state.skipped_nan} so far)")
             return None
         (loss / self.recipe.accum).backward()
+        if self.pause_per_turn:
+            time.sleep(self.pause_per_turn * len(examples))
         state.pending += 1
         value = loss.item()
         state.losses.append(value)
@@ -201,19 +218,58 @@ class Trainer:
                 count += n
         return total / count if count else math.nan
 
-    def save(self, name: str, state: TrainState) -> Path:
+    def save(
+        self, name: str, state: TrainState, plan: Plan | None = None, elapsed: float = 0.0
+    ) -> Path:
+        """The adapter in its own folder with trainer_state.json. With `plan`, also everything
+        training needs to carry on from here after a crash: the optimizer, the schedule's shape,
+        the counters and the random state (resume.pt)."""
         path = self.out / name
         self.model.save_pretrained(path)
-        (path / "trainer_state.json").write_text(
-            json.dumps(
+        record = {
+            "step": state.steps,
+            "turn_passes": state.turn_passes,
+            "best_val_loss": state.best_val if math.isfinite(state.best_val) else None,
+            "start": self.start,
+        }
+        (path / "trainer_state.json").write_text(json.dumps(record))
+        if plan is not None:
+            torch.save(
                 {
-                    "step": state.steps,
-                    "turn_passes": state.turn_passes,
-                    "best_val_loss": state.best_val if math.isfinite(state.best_val) else None,
-                }
+                    "optimizer": self.optimizer.state_dict(),
+                    "plan": dataclasses.asdict(plan),
+                    "state": {**dataclasses.asdict(state), "seen": sorted(state.seen)},
+                    "elapsed": elapsed,
+                    "rng": torch.get_rng_state(),
+                    "run": self.run_id,
+                },
+                path / (RESUME_FILE + ".tmp"),
             )
-        )
+            (path / (RESUME_FILE + ".tmp")).replace(path / RESUME_FILE)
         return path
+
+    def resume(self, examples: int) -> tuple[TrainState, Plan, float] | None:
+        """The state saved in OUT/last, if it is a checkpoint of this same run: loads the adapter's
+        weights and the optimizer's state. Returns (state, plan, elapsed seconds), or None."""
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        path = self.out / "last" / RESUME_FILE
+        if not path.is_file():
+            return None
+        saved = torch.load(path, weights_only=False)
+        if self.run_id is None or saved.get("run") != self.run_id:
+            return None
+        if saved["state"]["turn_passes"] > math.ceil(examples * self.recipe.epochs):
+            return None
+        set_peft_model_state_dict(
+            self.model, load_file(str(self.out / "last" / "adapter_model.safetensors"))
+        )
+        self.optimizer.load_state_dict(saved["optimizer"])
+        torch.set_rng_state(saved["rng"])
+        state = TrainState(**{**saved["state"], "seen": set(saved["state"]["seen"])})
+        self.resumed = {"step": state.steps, "optimizer": optimizer_digest(self.optimizer)}
+        return state, Plan(**saved["plan"]), float(saved["elapsed"])
 
     def validate(self, val: list[Example], state: TrainState) -> None:
         value = self.validation_loss(val)
@@ -283,7 +339,7 @@ class Trainer:
         return True
 
     def _replan(self, plan: Plan, scheduler, state: TrainState, timing: Timing):
-        per_step = (self.clock() - timing.speed_from) / max(1, state.steps - 1)
+        per_step = (self.clock() - timing.speed_from) / max(1, state.steps - timing.speed_step)
         new = replan(
             plan,
             timing.data_total,
@@ -301,10 +357,37 @@ class Trainer:
 
     # -- the loop -----------------------------------------------------------------------------
 
-    def train(self, train_turns: list[dict], val_turns: list[dict]) -> dict:
-        recipe = self.recipe
+    def probe(self, turns: list[dict]) -> float:
+        """Turn-passes an hour this machine does on these turns (forward and backward after one
+        warm-up, no optimizer step): what shares are sized by."""
+        examples, _ = make_examples(
+            self.tokenizer, turns, self.recipe.max_len, self.recipe.answer_room
+        )
+        if not examples:
+            return 0.0
+        size = max(1, self.recipe.batch)
+        batches = [examples[i : i + size] for i in range(0, len(examples), size)]
+        state = TrainState()
+        self.micro_step(batches[0], state)
         started = self.clock()
-        deadline = started + recipe.hours * 3600
+        for batch in batches[1:] or batches:
+            self.micro_step(batch, state)
+        seconds = self.clock() - started
+        self.optimizer.zero_grad(set_to_none=True)
+        passes = sum(len(b) for b in (batches[1:] or batches))
+        speed = passes * 3600 / max(seconds, 1e-6)
+        self.report(f"speed probe: {speed:.0f} turn-passes an hour on {self.threads} threads")
+        return speed
+
+    def _order(self, n: int, epoch: int) -> list[int]:
+        """The shuffled order of one epoch: seeded by the draw seed and the epoch, so a run that
+        carries on after a crash goes through the same order from where it was."""
+        order = list(range(n))
+        random.Random(f"{self.recipe.seed}:{epoch}").shuffle(order)
+        return order
+
+    def train(self, train_turns: list[dict], val_turns: list[dict]) -> TrainSummary:
+        recipe = self.recipe
         examples, shortened = make_examples(
             self.tokenizer, train_turns, recipe.max_len, recipe.answer_room
         )
@@ -314,23 +397,33 @@ class Trainer:
         passes_total = math.ceil(len(examples) * recipe.epochs)
         data_total = planned_steps(len(examples), recipe)
         plan = Plan(total=data_total, warmup=math.ceil(recipe.warmup * data_total))
-        scheduler = make_scheduler(self.optimizer, plan, recipe, done=0)
-        state = TrainState()
+        state, elapsed = TrainState(), 0.0
+        carried = self.resume(len(examples))
+        if carried is not None:
+            state, plan, elapsed = carried
+            self.report(
+                f"resumed from the last checkpoint at step {state.steps} "
+                f"({state.turn_passes} turn-passes, {elapsed / 60:.1f} min already spent)"
+            )
+        # The budget counts what was spent before a crash.
+        started = self.clock() - elapsed
+        deadline = started + recipe.hours * 3600
+        scheduler = make_scheduler(self.optimizer, plan, recipe, done=state.steps)
         self.report(
             f"training {len(examples)} turns ({shortened} shortened to fit {recipe.max_len} tokens), "
             f"{recipe.epochs:g} epochs, {plan.total} steps planned, {recipe.hours * 60:.1f} min budget, "
             f"{self.threads} threads on {self.device}"
         )
-        rng = random.Random(recipe.seed)
-        timing = Timing(started=started, deadline=deadline, data_total=data_total)
+        timing = Timing(started=self.clock(), deadline=deadline, data_total=data_total)
+        speed_passes = -1  # measured from the end of the first step this process takes
         last_note = self.clock()
         first_note_done = False
-        epoch = 0
+        n = len(examples)
+        epoch = state.turn_passes // n
         while state.turn_passes < passes_total and state.why == "finished":
-            epoch += 1
-            order = list(range(len(examples)))
-            rng.shuffle(order)
-            for i in range(0, len(order), recipe.batch):
+            epoch, offset = divmod(state.turn_passes, n)
+            order = self._order(n, epoch)
+            for i in range(offset, n, recipe.batch):
                 chunk = order[i : i + recipe.batch][: passes_total - state.turn_passes]
                 if not chunk:
                     break
@@ -340,9 +433,10 @@ class Trainer:
                 state.seen.update(chunk)
                 if state.micro % recipe.accum == 0:
                     self.optimizer_step(state, scheduler)
-                    if state.steps == 1:
+                    if speed_passes == -1:
                         # The first step carries start-up costs; speed is measured from its end.
-                        timing.speed_from = self.clock()
+                        timing.speed_from, speed_passes = self.clock(), state.turn_passes
+                        timing.speed_step = state.steps
                     validated = self._maybe_validate(val, state, timing)
                     if state.steps == REPLAN_AFTER_STEPS or (
                         validated and state.steps > REPLAN_AFTER_STEPS
@@ -353,7 +447,8 @@ class Trainer:
                         for group in self.optimizer.param_groups:
                             group["lr"] = recipe.lr * recipe.min_lr_ratio
                     if self.clock() - timing.last_save >= recipe.last_every_minutes * 60:
-                        self.on_saved("last", self.save("last", state))
+                        spent = self.clock() - started
+                        self.on_saved("last", self.save("last", state, plan, spent))
                         timing.last_save = self.clock()
                 now = self.clock()
                 if (
@@ -361,7 +456,7 @@ class Trainer:
                 ) or now - last_note >= recipe.progress_every_minutes * 60:
                     first_note_done, last_note = True, now
                     self.report(
-                        self.progress_line(state, plan, passes_total, epoch, started, deadline)
+                        self.progress_line(state, plan, passes_total, epoch + 1, started, deadline)
                     )
                 if state.why == "finished":
                     if now >= deadline:
@@ -382,26 +477,43 @@ class Trainer:
             self.save("last", state)
             if state.best_step is None:
                 self.save("best", state)
-            self.report(self.progress_line(state, plan, passes_total, epoch, started, deadline))
+            self.report(self.progress_line(state, plan, passes_total, epoch + 1, started, deadline))
         minutes = (self.clock() - started) / 60
+        measured = self.clock() - timing.speed_from
         self.report(f"training stopped ({state.why}) after {state.steps} steps, {minutes:.1f} min")
-        return {
-            "steps": state.steps,
-            "planned_steps": plan.total,
-            "replanned_from": plan.replanned_from,
-            "turn_passes": state.turn_passes,
-            "turns_trained": len(state.seen),
-            "epochs_done": round(state.turn_passes / len(examples), 3),
-            "shortened": shortened,
-            "skipped_nan": state.skipped_nan,
-            "mean_loss": sum(state.losses) / len(state.losses) if state.losses else None,
-            "best_val_loss": state.best_val if math.isfinite(state.best_val) else None,
-            "best_step": state.best_step,
-            "checks": state.checks,
-            "why": state.why,
-            "minutes": round(minutes, 2),
-            "final_lr": self.optimizer.param_groups[0]["lr"],
-            "best": str(self.out / "best"),
-            "last": str(self.out / "last"),
-            "threads": self.threads,
-        }
+        return TrainSummary(
+            steps=state.steps,
+            planned_steps=plan.total,
+            replanned_from=plan.replanned_from,
+            turn_passes=state.turn_passes,
+            turns_trained=len(state.seen),
+            epochs_done=round(state.turn_passes / n, 3),
+            shortened=shortened,
+            skipped_nan=state.skipped_nan,
+            mean_loss=sum(state.losses) / len(state.losses) if state.losses else None,
+            best_val_loss=state.best_val if math.isfinite(state.best_val) else None,
+            best_step=state.best_step,
+            checks=state.checks,
+            why=state.why,
+            minutes=round(minutes, 2),
+            final_lr=self.optimizer.param_groups[0]["lr"],
+            best=str(self.out / "best"),
+            last=str(self.out / "last"),
+            threads=self.threads,
+            turns_per_hour=round((state.turn_passes - speed_passes) * 3600 / measured, 1)
+            if measured > 1 and speed_passes >= 0 and state.turn_passes > speed_passes
+            else None,
+            resumed_from_step=self.resumed["step"] if self.resumed else None,
+        )
+
+
+def optimizer_digest(optimizer) -> str:
+    """A digest of the optimizer's state (moments and step counts), to compare two of them."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for key, value in sorted(optimizer.state_dict()["state"].items()):
+        for name, tensor in sorted(value.items()):
+            digest.update(f"{key}.{name}".encode())
+            digest.update(torch.as_tensor(tensor).detach().cpu().float().numpy().tobytes())
+    return digest.hexdigest()

@@ -45,3 +45,12 @@ def test_no_module_imports_torch_before_the_platform_fix(module):
     assert all(seen), f"{module} imported torch before prepare_torch_import ran"
     if module in ("gbray.trainer", "gbray.examiner", "gbray.model"):
         assert seen, f"{module} should import torch (the probe saw nothing)"
+
+
+def test_the_driver_and_the_hub_stay_light():
+    """The driver holds typed results, not models: importing the round, the command line and the
+    hub's server loads no torch (it loads in the actors)."""
+    probe = "import sys, gbray.cli, gbray.round, gbray.hub.server; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"

@@ -102,16 +102,16 @@ def test_short_budget_stops_on_time_and_still_writes_adapters(raw_student, turns
     started = trainer.clock()
     summary = trainer.train(turns[:30], turns[30:38])
     took = trainer.clock() - started
-    assert summary["why"] == "time"
-    assert summary["turn_passes"] < 30 * 50
+    assert summary.why == "time"
+    assert summary.turn_passes < 30 * 50
     assert took < 6 + 8  # one optimizer step plus one validation past the budget, with room
-    assert summary["checks"] and summary["best_val_loss"] is not None
+    assert summary.checks and summary.best_val_loss is not None
     for name in ("best", "last"):
         assert (Path(tmp_path) / name / "adapter_config.json").is_file()
         assert (Path(tmp_path) / name / "adapter_model.safetensors").is_file()
     assert any("turn-passes" in line for line in lines)
-    assert summary["replanned_from"] is not None
+    assert summary.replanned_from is not None
     assert (
-        math.isclose(summary["final_lr"], 1e-3 * 0.1, rel_tol=1e-6)
-        or summary["steps"] >= summary["planned_steps"]
+        math.isclose(summary.final_lr, 1e-3 * 0.1, rel_tol=1e-6)
+        or summary.steps >= summary.planned_steps
     )

@@ -15,6 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import requests
 from requests.adapters import HTTPAdapter
@@ -308,3 +309,59 @@ class HubClient:
         tgz = into / f"{name}.tgz"
         tgz.write_bytes(r.content)
         return unpack_adapter(tgz, into / name)
+
+
+class Hub(Protocol):
+    """What a round asks of a hub. Two kinds: `RayHub` (the round's hub client in a Ray actor)
+    and `NoHub` (no hub: nothing known, nothing stopped, nothing sent). The round never asks
+    which one it holds."""
+
+    #: the Ray actor that trainers and examiners report through (None: they report nowhere)
+    actor: Any
+
+    def register(self, base: str, turns: int, recipe: dict) -> str | None: ...
+    def note(self, line: str) -> None: ...
+    def stopped(self) -> bool: ...
+    def slice(self, turns: int) -> list[bytes] | None: ...
+    def paper(self, turns: int) -> tuple[list[bytes], str, str] | None: ...
+    def ask_baseline(self, key: dict) -> dict | None: ...
+    def tell_baseline(self, key: dict, exam: dict) -> None: ...
+    def get_adapter(self, name: str, into: Path) -> Path: ...
+    def put_adapter(self, folder: Path, part: str | None = None) -> str | None: ...
+    def end(self, body: dict) -> bool: ...
+
+
+class NoHub:
+    """The hub a round without one holds: it knows nothing and asks for nothing."""
+
+    actor = None
+
+    def register(self, base: str, turns: int, recipe: dict) -> str | None:
+        return None
+
+    def note(self, line: str) -> None:
+        return None
+
+    def stopped(self) -> bool:
+        return False
+
+    def slice(self, turns: int) -> list[bytes] | None:
+        return None
+
+    def paper(self, turns: int) -> tuple[list[bytes], str, str] | None:
+        return None
+
+    def ask_baseline(self, key: dict) -> dict | None:
+        return None
+
+    def tell_baseline(self, key: dict, exam: dict) -> None:
+        return None
+
+    def get_adapter(self, name: str, into: Path) -> Path:
+        raise ValueError(f"hub:{name} needs --hub")
+
+    def put_adapter(self, folder: Path, part: str | None = None) -> str | None:
+        return None
+
+    def end(self, body: dict) -> bool:
+        return False

@@ -1,0 +1,128 @@
+"""round.json and what the hub is told at a round's end, shaped from the steps' typed results."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from gbray.results import ExamResult, TrainSummary
+
+TRAINING_FIELDS = (
+    "steps", "planned_steps", "replanned_from", "best_val_loss", "best_step", "checks",
+    "turns_trained", "turn_passes", "epochs_done", "why", "mean_loss", "skipped_nan", "shortened",
+    "turns_per_hour", "resumed_from_step",
+)  # fmt: skip
+
+
+def exam_record(exam: ExamResult | None) -> dict | None:
+    return dataclasses.asdict(exam) if exam is not None else None
+
+
+def training_record(summary: TrainSummary) -> dict:
+    return {
+        **{k: getattr(summary, k) for k in TRAINING_FIELDS},
+        "training_minutes": summary.minutes,
+        "adapter": summary.best,
+        "adapter_last": summary.last,
+        "trainer_pid": summary.pid,
+    }
+
+
+def shares_record(trained) -> dict:
+    """Each share: where it ran, its measured speed, its part, what it trained or why it was lost."""
+    return {
+        "share_split": trained.split,
+        "share_rounds": [s.hub_round for s in trained.shares if s.hub_round],
+        "packed": trained.packed_note,
+        "share_reports": [
+            {
+                "share": s.index,
+                "node": s.node,
+                "hub_round": s.hub_round,
+                "probe_turns_per_hour": s.probe_turns_per_hour,
+                "turns": s.turns,
+                "training": training_record(s.summary) if s.summary else None,
+                "exam": exam_record(s.exam),
+                "lost": s.lost,
+            }
+            for s in trained.shares
+        ],
+        "lost_shares": [
+            {"share": s.index, "node": s.node, "why": s.lost} for s in trained.shares if s.lost
+        ],
+        "turns_trained": trained.turns_trained,
+    }
+
+
+def per_tool(baseline: ExamResult | None, result: ExamResult | None) -> dict:
+    """Per tool: how often it was asked, right/asked before and after."""
+
+    def cell(exam, tool):
+        row = exam.per_tool.get(tool) if exam else None
+        return f"{row['right']}/{row['asked']}" if row else None
+
+    tools = (result or baseline).per_tool if (result or baseline) else {}
+    return {
+        t: {"asked": row["asked"], "before": cell(baseline, t), "after": cell(result, t)}
+        for t, row in tools.items()
+    }
+
+
+def beat(baseline: ExamResult | None, result: ExamResult | None) -> bool:
+    return bool(baseline and result and result.agreement_pct > baseline.agreement_pct)
+
+
+def why_sentence(record: dict) -> str:
+    if record.get("status") == "done" and record.get("share_reports"):
+        kept = [r for r in record["share_reports"] if not r["lost"]]
+        lost = len(record["share_reports"]) - len(kept)
+        return (
+            f"{len(kept)} shares trained {record['turns_trained']} turns"
+            + (f" ({lost} lost)" if lost else "")
+            + (f", merged with {record['merge']['method']}" if record.get("merge") else "")
+            + f"; result examined on {record['paper']['turns']} turns"
+        )
+    if record.get("status") == "done" and "steps" in record:
+        return (
+            f"training stopped ({record['why']}) after {record['steps']} steps and "
+            f"{record['turns_trained']} turns; result examined on {record['paper']['turns']} turns"
+        )
+    return str(record.get("why") or record.get("result_error") or record.get("status"))
+
+
+def end_body(record: dict, baseline, result, adapter: str | None, paper_id: str, seed) -> dict:
+    """The round's end as the hub protocol carries it (SPEC §8)."""
+    return {
+        "status": record["status"],
+        "baseline": baseline.on_the_wire() if baseline else None,
+        "result": result.on_the_wire() if result else None,
+        "adapter": adapter,
+        "paper": paper_id,
+        "why": why_sentence(record),
+        "trained": record.get("turns_trained", 0) or 0,
+        "drawSeed": seed,
+        "perTool": per_tool(baseline, result),
+    }
+
+
+def _plain(value):
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else str(value)
+
+
+def write(out: Path, record: dict, name: str = "round.json") -> None:
+    (Path(out) / name).write_text(json.dumps(record, indent=2, default=_plain))
+
+
+def summary_line(record: dict, out: Path) -> dict:
+    def agreement(key):
+        exam = record.get(key)
+        return exam["agreement_pct"] if exam else None
+
+    return {
+        "round_json": str(Path(out) / "round.json"),
+        "baseline": agreement("baseline"),
+        "result": agreement("result"),
+        "beat": record.get("beat", False),
+        "status": record.get("status"),
+    }

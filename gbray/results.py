@@ -1,0 +1,76 @@
+"""What the steps of a round return, as types: an exam's result and a training run's summary.
+Torch-free, so the driver (and the hub) can hold them without loading torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ExamResult:
+    """One exam's outcome; `agreement_pct` and `turns` are what the hub protocol carries. A
+    baseline the hub already knew has `source` "hub" and only the fields the hub keeps."""
+
+    agreement_pct: float
+    turns: int
+    right: int | None = None
+    no_tool: int | None = None
+    per_tool: dict = field(default_factory=dict)
+    minutes: float | None = None
+    pid: int | None = None
+    shortened: int | None = None
+    samples: list = field(default_factory=list)
+    threads: int | None = None
+    source: str = "exam"
+    by: str | None = None
+
+    def on_the_wire(self) -> dict:
+        """As the hub protocol carries an exam result: `agreement_pct` and `turns` first."""
+        wire = {"agreement_pct": self.agreement_pct, "turns": self.turns}
+        for key in ("right", "no_tool", "minutes", "by"):
+            if getattr(self, key) is not None:
+                wire[key] = getattr(self, key)
+        return {**wire, "source": self.source}
+
+    @classmethod
+    def from_hub(cls, exam: dict, by: str | None) -> ExamResult:
+        keep = {
+            k: exam[k]
+            for k in ("right", "no_tool", "minutes")
+            if isinstance(exam.get(k), int | float)
+        }
+        return cls(
+            float(exam["agreement_pct"]), int(exam.get("turns") or 0), **keep, source="hub", by=by
+        )
+
+
+@dataclass
+class TrainSummary:
+    """What a training run returns; round.json is written from it."""
+
+    steps: int
+    planned_steps: int
+    replanned_from: int | None
+    turn_passes: int
+    turns_trained: int
+    epochs_done: float
+    shortened: int
+    skipped_nan: int
+    mean_loss: float | None
+    best_val_loss: float | None
+    best_step: int | None
+    checks: list
+    why: str
+    minutes: float
+    final_lr: float
+    best: str
+    last: str
+    threads: int
+    turns_per_hour: float | None = None  # turn-passes an hour, measured after the first step
+    resumed_from_step: int | None = None
+    pid: int | None = None
+
+
+class ExamStopped(Exception):
+    """The owner asked the round to stop during this exam: there is no result (a partial exam is
+    never one)."""

@@ -1,0 +1,274 @@
+"""Shares and merge on real Ray clusters of several nodes (`ray.cluster_utils.Cluster`, each node
+with its own custom resource), and trainers that die and come back. Slow: each test starts its
+own cluster."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def night(tmp_path_factory):
+    """A corpus a tiny student learns well in minutes (14 tools, short pages), and that student,
+    briefly pre-trained: shares must learn something for their merge to be compared with them."""
+    from gbray.data.synth import SynthSettings, write_corpus
+    from gbray.student import StudentSettings, build_student
+
+    root = tmp_path_factory.mktemp("shares-night")
+    write_corpus(
+        SynthSettings(
+            out=root / "data", turns=2500, eval_turns=200, seed=11, prompt_tokens=180, tools=14
+        )
+    )
+    build_student(
+        StudentSettings(data=root / "data", out=root / "student", pretrain_seconds=50, vocab=1024)
+    )
+    return root / "data", root / "student"
+
+
+def cluster(*kinds, head_cpus=1):
+    """A simulated cluster: a head and one node per kind, 1 CPU each, each with its resource."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    ray.shutdown()
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": head_cpus,
+            "resources": {"head": 1},
+            "include_dashboard": False,
+        },
+    )
+    nodes = {kind: c.add_node(num_cpus=1, resources={kind: 1}) for kind in kinds}
+    c.wait_for_nodes()
+    return c, nodes
+
+
+def quick(**kw):
+    from gbray.settings import Recipe
+
+    base = dict(
+        hours=1.2 / 60, epochs=3, turns=240, lr=3e-3, batch=4, accum=1, lora_r=8, lora_alpha=16,
+        max_len=384, val_turns=16, val_every_minutes=0.25, last_every_minutes=0.1,
+        progress_every_minutes=0.1, exam_turns=40, answer_budget=24, seed=5, threads=1,
+        gradient_checkpointing=False,
+    )  # fmt: skip
+    base.update(kw)
+    return Recipe(**base)
+
+
+def test_a_two_share_round_from_one_command_on_three_nodes(night, tmp_path):
+    corpus, student = night
+    c, _ = cluster("laptop", "desktop")
+    out = tmp_path / "night"
+    try:
+        run = subprocess.run(
+            [
+                sys.executable, "-m", "gbray.cli", "round", "--address", c.address,
+                "--shares", "2", "--examine-shares", "--data", str(corpus), "--model", str(student),
+                "--out", str(out), "--hours", "0.05", "--epochs", "4", "--turns", "1600",
+                "--lr", "3e-3", "--batch", "8", "--accum", "1", "--lora-r", "16", "--lora-alpha", "32",
+                "--max-len", "512", "--val-every-minutes", "0.5", "--exam-turns", "100",
+                "--answer-budget", "24", "--seed", "5", "--threads", "1",
+                "--no-gradient-checkpointing",
+            ],
+            capture_output=True, text=True, timeout=900,
+        )  # fmt: skip
+    finally:
+        c.shutdown()
+    assert run.returncode == 0, run.stderr[-3000:]
+    record = json.loads((out / "round.json").read_text())
+    reports = record["share_reports"]
+    assert len(reports) == 2 and not record["lost_shares"]
+    assert reports[0]["node"] != reports[1]["node"], "both shares ran on one node"
+    assert record["packed"] is None
+    assert record["merge"]["method"] == "cat" and record["merge"]["exact"]
+    assert sum(record["share_split"]) == record["slice_turns"]
+    # One baseline for the shares (measured beside them: the cluster had a free node), one
+    # result exam of the merge, and each share's own adapter on the same paper.
+    assert record["baseline"]["turns"] == record["result"]["turns"] == 100
+    shares = [r["exam"]["agreement_pct"] for r in reports]
+    merged = record["result"]["agreement_pct"]
+    assert merged >= max(shares), (merged, shares, record["baseline"]["agreement_pct"])
+    assert "baseline exam beside the shares" in (out / "progress.log").read_text() or any(
+        "beside the shares" in line for line in run.stderr.splitlines()
+    )
+
+
+def test_shares_of_unequal_speed_get_unequal_parts_and_end_together(night, tmp_path):
+    import ray
+
+    corpus, student = night
+    from gbray.round import run_round
+    from gbray.settings import RoundSettings
+
+    c, _ = cluster("laptop", "desktop", head_cpus=0)
+    slow = {"runtime_env": {"env_vars": {"GBRAY_SIMULATED_SLOWDOWN": "0.15"}}}
+    try:
+        ray.init(address=c.address)
+        record = run_round(
+            RoundSettings(
+                data=corpus, model=str(student), out=tmp_path / "r", shares=2,
+                share_options=({}, slow), skip_baseline=True,
+                recipe=quick(hours=4 / 60, epochs=2, turns=160, val_every_minutes=0.2),
+            )
+        )  # fmt: skip
+    finally:
+        ray.shutdown()
+        c.shutdown()
+    fast, slower = record["share_reports"]
+    speeds = fast["probe_turns_per_hour"], slower["probe_turns_per_hour"]
+    assert speeds[0] > 1.5 * speeds[1], speeds
+    split = record["share_split"]
+    assert split[0] > split[1]
+    # The split follows the measured speeds.
+    assert abs(split[0] / sum(split) - speeds[0] / sum(speeds)) < 0.05, (split, speeds)
+    minutes = [r["training"]["training_minutes"] for r in (fast, slower)]
+    assert all(r["training"]["why"] == "finished" for r in (fast, slower))
+    assert abs(minutes[0] - minutes[1]) <= 0.2 + 0.1, minutes  # one validation interval
+
+
+def test_a_node_lost_mid_round_leaves_its_share_out(night, tmp_path):
+    import ray
+
+    corpus, student = night
+    from gbray.round import run_round
+    from gbray.settings import RoundSettings
+
+    c, nodes = cluster("laptop", "desktop", head_cpus=0)
+    out = tmp_path / "r"
+    result = {}
+    try:
+        ray.init(address=c.address)
+        settings = RoundSettings(
+            data=corpus, model=str(student), out=out, shares=2, share_grace=5.0,
+            recipe=quick(hours=1.0 / 60, turns=240),
+        )  # fmt: skip
+        runner = threading.Thread(
+            target=lambda: result.update(record=run_round(settings)), daemon=True
+        )
+        runner.start()
+        # Wait until both shares train, then take away the node of one of them.
+        deadline = time.monotonic() + 300
+        logs = [out / f"share-{i}" / "progress.log" for i in range(2)]
+        while time.monotonic() < deadline and not all(
+            p.is_file() and "turn-passes" in p.read_text() for p in logs
+        ):
+            time.sleep(0.5)
+        state = json.loads((out / "round.json").read_text())
+        assert state["status"] == "running"
+        # The head has no CPU: one share trains on each worker. Take one worker away.
+        lost_node = nodes["desktop"]
+        c.remove_node(lost_node, allow_graceful=False)
+        runner.join(timeout=600)
+    finally:
+        ray.shutdown()
+        c.shutdown()
+    record = result["record"]
+    assert record["status"] == "done", record.get("why")
+    assert len(record["lost_shares"]) == 1
+    lost = record["lost_shares"][0]
+    assert lost["node"] == lost_node.node_id and lost["why"]
+    survivor = next(r for r in record["share_reports"] if r["share"] != lost["share"])
+    assert survivor["training"] is not None
+    # The survivor alone is the result: no merge of one.
+    assert "merge" not in record and record["result"] is not None
+    assert record["adapter"] == survivor["training"]["adapter"]
+
+
+def test_a_trainer_killed_with_sigkill_resumes_from_its_checkpoint(raw_student, corpus, tmp_path):
+    import ray
+    import torch
+
+    from gbray.actors import TrainerActor
+    from gbray.data.turns import index_folder
+    from gbray.settings import as_record
+    from gbray.trainer import RESUME_FILE, optimizer_digest
+
+    ray.shutdown()
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        train, _ = index_folder(corpus)
+        turns = train.read(list(range(200)))
+        recipe = quick(hours=10 / 60, epochs=5, last_every_minutes=0.05, val_every_minutes=5)
+        out = tmp_path / "t"
+        trainer = TrainerActor.options(num_cpus=1).remote(
+            str(raw_student), None, as_record(recipe), str(out), str(tmp_path / "p.log"), None,
+            "bare", "run-1",
+        )  # fmt: skip
+        pid = ray.get(trainer.pid.remote())
+        ref = trainer.train.remote(turns[:180], turns[180:])
+        checkpoint = out / "last" / RESUME_FILE
+        deadline = time.monotonic() + 120
+        while not checkpoint.is_file() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)
+        saved = torch.load(checkpoint, weights_only=False)  # the dead process wrote its last
+        # Ray restarts the actor and runs the train call again; it carries on from the checkpoint.
+        deadline = time.monotonic() + 120
+        resumed = None
+        while resumed is None and time.monotonic() < deadline:
+            try:
+                resumed = ray.get(trainer.resumed.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - the actor is restarting
+                time.sleep(0.5)
+            time.sleep(0.2)
+        assert resumed is not None, "the restarted trainer did not resume"
+        assert ray.get(trainer.pid.remote()) != pid
+        assert resumed["step"] == saved["state"]["steps"]
+        expected = _digest_of_saved(saved["optimizer"], optimizer_digest)
+        assert resumed["optimizer"] == expected
+        summary = ray.get(ref, timeout=900)
+        assert summary.resumed_from_step == saved["state"]["steps"]
+        assert summary.steps > saved["state"]["steps"]
+    finally:
+        ray.shutdown()
+
+
+def _digest_of_saved(state_dict, digest):
+    """The digest of a saved optimizer state, computed the way the trainer computes its own."""
+
+    class Saved:
+        def state_dict(self):
+            return state_dict
+
+    return digest(Saved())
+
+
+def test_the_fields_merge_syntax_merges_trains_nothing_and_examines_once(
+    raw_student, corpus, tmp_path
+):
+    import ray
+    from test_merge import share
+
+    from gbray.round import run_round
+    from gbray.settings import RoundSettings
+
+    folders = [share(raw_student, tmp_path / f"a{i}", seed=i) for i in range(2)]
+    ray.shutdown()
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        record = run_round(
+            RoundSettings(
+                data=corpus, model=str(raw_student), out=tmp_path / "r",
+                adapter="merge:" + ",".join(str(f) for f in folders), recipe=quick(exam_turns=12),
+            )
+        )  # fmt: skip
+    finally:
+        ray.shutdown()
+    assert record["status"] == "done" and record["merge"]["method"] == "fedavg"
+    assert record["slice_turns"] == 0 and "steps" not in record and "trainer_pid" not in record
+    assert len(record["exam_pids"]) == 2  # the shares' baseline and the merge's result
+    assert record["start"] == "bare" and record["baseline"]["turns"] == 12
+    assert (tmp_path / "r" / "merged" / "adapter_config.json").is_file()
