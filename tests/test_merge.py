@@ -141,3 +141,26 @@ def test_chained_merges_do_not_grow_the_rank_without_bound(shares, tmp_path):
         [tmp_path / "n1", tmp_path / "n1", tmp_path / "n1"], tmp_path / "n2", "cat", max_rank=16
     )
     assert again.rank == 16 and again.method == "svd"
+
+
+def test_gbray_merge_on_the_command_line(shares, raw_student, tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "gbray.cli", "merge", str(shares[0]), str(shares[1]),
+         "--method", "svd", "--turns", "3", "1", "--out", str(tmp_path / "m")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["method"] == "svd" and report["weights"] == [0.75, 0.25] and report["rank"] == 4
+    assert (tmp_path / "m" / "merge.json").is_file()
+    other = share(raw_student, tmp_path / "attn", seed=9, targets=("q_proj", "k_proj"))
+    refused = subprocess.run(
+        [sys.executable, "-m", "gbray.cli", "merge", str(shares[0]), str(other), "--out", str(tmp_path / "x")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert refused.returncode == 2
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("gbray: error:")]
+    assert len(errors) == 1 and "other layers" in errors[0]
