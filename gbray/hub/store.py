@@ -313,11 +313,11 @@ class Store:
                 if row["end_body"] == text:
                     return
                 raise Conflict(f"round {round_id} has already ended; a round ends once")
-            self._touch(db, round_id, who)
             db.execute(
-                "UPDATE rounds SET status = ?, ended = ?, baseline = ?, result = ?, adapter = ?, paper = ?,"
+                "UPDATE rounds SET updated = ?, status = ?, ended = ?, baseline = ?, result = ?, adapter = ?, paper = ?,"
                 " why = ?, trained = ?, draw_seed = ?, end_body = ? WHERE id = ?",
                 (
+                    time.time(),
                     body.get("status", "done"),
                     time.time(),
                     agreement(body.get("baseline")),
