@@ -223,40 +223,32 @@ def test_two_rounds_one_baseline(ray_local, hub, corpus, raw_student, tmp_path):
     assert len(records[other]["exam_pids"]) == 1  # only its result exam
 
 
+def cli_round(hub, corpus, student, out, *flags):
+    """`gbray round` against the hub in a subprocess, as a device runs it."""
+    command = [sys.executable, "-m", "gbray.cli", "round", "--data", str(corpus), "--model",
+               str(student), "--out", str(out), "--hub", hub.url, "--token", hub.device, *flags]  # fmt: skip
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 def test_stop_during_an_exam(hub, corpus, raw_student, tmp_path):
     out = tmp_path / "r"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gbray.cli",
-            "round",
-            "--data",
-            str(corpus),
-            "--model",
-            str(raw_student),
-            "--out",
-            str(out),
-            "--hub",
-            hub.url,
-            "--token",
-            hub.device,
-            "--hours",
-            "0.01",
-            "--exam-turns",
-            "150",
-            "--exam-batch",
-            "2",
-            "--answer-budget",
-            "320",
-            "--max-len",
-            "768",
-            "--threads",
-            "2",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    proc = cli_round(
+        hub,
+        corpus,
+        raw_student,
+        out,
+        "--hours",
+        "0.01",
+        "--exam-turns",
+        "150",
+        "--exam-batch",
+        "2",
+        "--answer-budget",
+        "320",
+        "--max-len",
+        "768",
+        "--threads",
+        "2",
     )
     rid = None
     deadline = time.monotonic() + 120
@@ -407,37 +399,22 @@ def test_a_field_command_line_reaches_the_recipe(hub, corpus, raw_student, tmp_p
 
 def test_stop_during_training(hub, corpus, raw_student, tmp_path):
     out = tmp_path / "r"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gbray.cli",
-            "round",
-            "--data",
-            str(corpus),
-            "--model",
-            str(raw_student),
-            "--out",
-            str(out),
-            "--hub",
-            hub.url,
-            "--token",
-            hub.device,
-            "--hours",
-            "1",
-            "--skip-baseline",
-            "--val-every-minutes",
-            "30",
-            "--slice",
-            "400",
-            "--max-len",
-            "512",
-            "--threads",
-            "2",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    proc = cli_round(
+        hub,
+        corpus,
+        raw_student,
+        out,
+        "--hours",
+        "1",
+        "--skip-baseline",
+        "--val-every-minutes",
+        "30",
+        "--slice",
+        "400",
+        "--max-len",
+        "512",
+        "--threads",
+        "2",
     )
     rid = None
     deadline = time.monotonic() + 120
