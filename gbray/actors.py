@@ -113,7 +113,11 @@ class TrainerActor:
         return replace(self.trainer.train(train_turns, val_turns), pid=os.getpid())
 
 
-@ray.remote(max_restarts=0, max_task_retries=0)
+# An exam is pure, so a lost examiner (its machine gone before or while it ran) is started
+# again once on a live node and the exam asked again. The retries are unbounded because a
+# machine that is gone but not yet known dead answers "unavailable" to each try; the one restart
+# bounds them. An error inside the exam is not retried.
+@ray.remote(max_restarts=1, max_task_retries=-1)
 class ExaminerActor:
     def __init__(
         self,
@@ -140,8 +144,11 @@ class ExaminerActor:
     def pid(self) -> int:
         return os.getpid()
 
-    def exam(self, turns: list[dict], answer_budget: int, max_len: int, batch: int):
-        return self.examiner.exam(turns, answer_budget, max_len, batch)
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def exam(self, turns: list[dict], answer_budget: int, max_len: int, mode):
+        return self.examiner.exam(turns, answer_budget, max_len, mode)
 
 
 @ray.remote(max_restarts=0, max_task_retries=0, concurrency_groups={"slow": 2})

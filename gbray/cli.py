@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from gbray.data.turns import DataError
+from gbray.hub.gate import GateRules
 from gbray.settings import (
     HelpFormatter,
     Recipe,
@@ -60,6 +61,7 @@ def cmd_synth(args) -> int:
             prompt_tokens=args.prompt_tokens,
             tools=args.tools,
             wording=args.wording,
+            system_tokens=args.system_tokens,
         )
     )
     print(json.dumps({"out": str(args.out), **counts}))
@@ -298,6 +300,12 @@ def cmd_merge(args) -> int:
 def cmd_hub_serve(args) -> int:
     from gbray.hub.server import HubSettings, serve
 
+    gate = from_args(GateRules, args)
+    try:
+        gate.validate()
+    except ValueError as e:
+        print(f"gbray hub serve: {e}", file=sys.stderr)
+        return 2
     serve(
         HubSettings(
             db=args.db,
@@ -306,6 +314,7 @@ def cmd_hub_serve(args) -> int:
             port=args.port,
             claim_timeout=args.claim_timeout,
             size_limit=args.size_limit_mb * 1024 * 1024,
+            gate=gate,
         )
     )
     return 0
@@ -376,6 +385,7 @@ def add_hub_parser(verbs) -> None:
         default=512,
         help="largest adapter accepted (default %(default)s)",
     )
+    add_fields(p, GateRules, "promotion")
     p.set_defaults(func=cmd_hub_serve)
     p = hub.add_parser(
         "load", help="load a corpus into the hub's database (the paper is cut by job)"
@@ -470,6 +480,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="default",
         choices=("default", "alt"),
         help="alt: invented tool names and other phrasing, a corpus the defaults never saw",
+    )
+    p.add_argument(
+        "--system-tokens",
+        type=int,
+        default=0,
+        help="a system prompt of about this many tokens: every tool described with its argument "
+        "schema, then usage rules, as a real agent's catalogue (default 0: a short list)",
     )
     p.set_defaults(func=cmd_synth)
 

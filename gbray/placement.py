@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from gbray.platform import available_cpus
-from gbray.settings import Recipe, as_record
+from gbray.settings import ExamMode, Recipe, as_record
 
 log = logging.getLogger(__name__)
 
@@ -77,14 +77,14 @@ class ExamLaunch:
         ).remote(
             model,
             adapter,
-            recipe.precision,
+            recipe.weights_precision,
             recipe.threads,
             recipe.device,
             str(log_path),
             hub.actor,
         )
         self.ref = self.actor.exam.remote(
-            paper, recipe.answer_budget, recipe.max_len, recipe.exam_batch
+            paper, recipe.answer_budget, recipe.max_len, ExamMode.of(recipe)
         )
 
     def result(self, hub, what: str):

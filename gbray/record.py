@@ -6,12 +6,13 @@ import dataclasses
 import json
 from pathlib import Path
 
+from gbray.paired import comparison
 from gbray.results import ExamResult, TrainSummary
 
 TRAINING_FIELDS = (
     "steps", "planned_steps", "replanned_from", "best_val_loss", "best_step", "checks",
     "turns_trained", "turn_passes", "epochs_done", "why", "mean_loss", "skipped_nan", "shortened",
-    "turns_per_hour", "resumed_from_step",
+    "turns_per_hour", "resumed_from_step", "choices",
 )  # fmt: skip
 
 
@@ -69,6 +70,19 @@ def per_tool(baseline: ExamResult | None, result: ExamResult | None) -> dict:
     }
 
 
+def compare(baseline: ExamResult | None, result: ExamResult | None, fall_points: float,
+            min_asked: int) -> dict | None:  # fmt: skip
+    """Before vs after on the same turns (None without both exams): paired counts and p-value,
+    and per tool before and after with the tools that fell flagged."""
+    if baseline is None or result is None:
+        return None
+    rows = per_tool(baseline, result)
+    return {
+        **comparison(baseline.marks, result.marks, rows, fall_points, min_asked),
+        "per_tool": rows,
+    }
+
+
 def beat(baseline: ExamResult | None, result: ExamResult | None) -> bool:
     return bool(baseline and result and result.agreement_pct > baseline.agreement_pct)
 
@@ -92,7 +106,9 @@ def why_sentence(record: dict) -> str:
 
 
 def end_body(record: dict, baseline, result, adapter: str | None, paper_id: str, seed) -> dict:
-    """The round's end as the hub protocol carries it (SPEC §8)."""
+    """The round's end as the hub protocol carries it (SPEC §8); the paired comparison rides as
+    an extra field (the hub recomputes it from the marks before it trusts it)."""
+    compared = record.get("comparison") or {}
     return {
         "status": record["status"],
         "baseline": baseline.on_the_wire() if baseline else None,
@@ -103,6 +119,8 @@ def end_body(record: dict, baseline, result, adapter: str | None, paper_id: str,
         "trained": record.get("turns_trained", 0) or 0,
         "drawSeed": seed,
         "perTool": per_tool(baseline, result),
+        "paired": compared.get("paired"),
+        "fell": compared.get("fell"),
     }
 
 
@@ -124,5 +142,6 @@ def summary_line(record: dict, out: Path) -> dict:
         "baseline": agreement("baseline"),
         "result": agreement("result"),
         "beat": record.get("beat", False),
+        "p_value": ((record.get("comparison") or {}).get("paired") or {}).get("p_value"),
         "status": record.get("status"),
     }

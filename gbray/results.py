@@ -23,13 +23,21 @@ class ExamResult:
     threads: int | None = None
     source: str = "exam"
     by: str | None = None
+    # One character per paper turn, "1" right, "0" wrong: what pairs this exam with another.
+    marks: str | None = None
+    near_ties: list = field(default_factory=list)
+    generated_tokens: int | None = None
+    prefix_tokens: int | None = None
+    stop_at_tool: bool | None = None
 
     def on_the_wire(self) -> dict:
         """As the hub protocol carries an exam result: `agreement_pct` and `turns` first."""
         wire = {"agreement_pct": self.agreement_pct, "turns": self.turns}
-        for key in ("right", "no_tool", "minutes", "by"):
+        for key in ("right", "no_tool", "minutes", "by", "marks"):
             if getattr(self, key) is not None:
                 wire[key] = getattr(self, key)
+        if self.near_ties:
+            wire["near_ties"] = len(self.near_ties)
         return {**wire, "source": self.source}
 
     @classmethod
@@ -39,6 +47,9 @@ class ExamResult:
             for k in ("right", "no_tool", "minutes")
             if isinstance(exam.get(k), int | float)
         }
+        marks = exam.get("marks")
+        if isinstance(marks, str) and len(marks) == exam.get("turns") and set(marks) <= {"0", "1"}:
+            keep["marks"] = marks
         return cls(
             float(exam["agreement_pct"]), int(exam.get("turns") or 0), **keep, source="hub", by=by
         )
@@ -69,6 +80,7 @@ class TrainSummary:
     turns_per_hour: float | None = None  # turn-passes an hour, measured after the first step
     resumed_from_step: int | None = None
     pid: int | None = None
+    choices: dict | None = None  # autocast, checkpointing, threads, and why (tuning.Choices)
 
 
 class ExamStopped(Exception):

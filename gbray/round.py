@@ -20,6 +20,7 @@ from pathlib import Path
 from gbray import record as rec
 from gbray.data.turns import DataError, index_folder
 from gbray.hub.client import Hub, NoHub
+from gbray.paired import Paired
 from gbray.placement import (
     ExamLaunch,
     Stopped,
@@ -284,7 +285,8 @@ class Round:
         except Stopped:
             raise
         except Exception as e:  # noqa: BLE001 - a crashed exam costs only that exam
-            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            reason = " · ".join(x.strip() for x in str(e).strip().splitlines() if x.strip())
+            reason = reason[:600] or type(e).__name__
             log.error("%s exam failed: %s", what, reason)
             self.record[f"{what}_error"] = reason
             return None
@@ -332,6 +334,7 @@ class Round:
             raise Stopped("stopped by the owner during training")
         self.record.update(rec.training_record(summary))
         self.write()
+        self.record_choices([summary.choices])
         share = Share(0, turns=len(work.train), out=str(self.out))
         share.trained(summary)
         return Trained([share])
@@ -355,12 +358,19 @@ class Round:
         trained = train_shares(night, s.shares, work.train, work.val, self.hub, self.note)
         self.record.update(rec.shares_record(trained))
         self.write()
+        self.record_choices([x.summary.choices if x.summary else None for x in trained.shares])
         if not trained.survivors:
             raise RuntimeError(
                 "no share survived: "
                 + "; ".join(f"share {x.index}: {x.lost}" for x in trained.shares)
             )
         return trained
+
+    def record_choices(self, choices: list[dict | None]) -> None:
+        """What each trainer chose on its machine (precision, checkpointing, threads, and why),
+        written into recipe.json beside the recipe, so two rounds stay comparable."""
+        recipe = {**as_record(self.recipe), "trainer_choices": choices}
+        (self.out / "recipe.json").write_text(json.dumps(recipe, indent=2))
 
     def merge(self, trained: Trained) -> str:
         """The adapter the result exam takes: the one share's, or the survivors' merged (a Ray
@@ -408,6 +418,9 @@ class Round:
         self.record["baseline"] = known
         wanted = "baseline" if self.settings.measure_only else "result"
         self.record["status"] = "done" if self.record.get(wanted) is not None else "failed"
+        if self.record["status"] == "failed":
+            error = self.record.get(f"{wanted}_error", "it did not finish")
+            self.record.setdefault("why", f"the {wanted} exam failed: {error}")
         if self.settings.measure_only:
             self.record["why"] = "measure only: the start was examined, nothing trained"
 
@@ -420,8 +433,12 @@ class Round:
             baseline=rec.exam_record(baseline),
             result=rec.exam_record(result),
             beat=rec.beat(baseline, result),
+            comparison=rec.compare(
+                baseline, result, self.settings.fall_points, self.settings.fall_min_asked
+            ),
             minutes=round((time.time() - self.started) / 60, 2),
         )
+        self.note_comparison(r["comparison"])
         if r["status"] == "failed":
             last = self.out / "last"
             r.setdefault(
@@ -438,6 +455,15 @@ class Round:
             body["shares"] = r["share_rounds"]
         r["hub_adapter"], r["hub_ended"] = uploaded, bool(self.hub.end(body))
         self.write()
+
+    def note_comparison(self, compared: dict | None) -> None:
+        if not compared:
+            return
+        if compared["paired"]:
+            paired = Paired(**compared["paired"])
+            self.note(f"paired on {paired.turns} turns: {paired.sentence()}")
+        for fell in compared["fell"]:
+            self.note(f"tool {fell['tool']} fell: {fell['before']} -> {fell['after']}")
 
 
 def run_round(settings: RoundSettings) -> dict:

@@ -74,15 +74,30 @@ class Recipe:
         None, "turns on the paper; default 150 on a CPU, 500 on a GPU", aliases=("--eval-turns",)
     )
     exam_batch: int = setting(16, "turns generated together in an exam")
+    exam_full_answers: bool = setting(
+        False,
+        "generate every answer to EOS or the budget; by default an answer ends once it names a "
+        "complete tool (greedy decoding cannot change that tool afterwards)",
+    )
+    tie_margin: float = setting(
+        1e-4,
+        "an exam step whose two best logits are closer than this is reported as a near-tie "
+        "(where batching or the cached prefix could flip a token; float32 scale)",
+    )
     precision: str = setting(
-        "float32",
-        "float32 or bfloat16 (--bf16); the exam uses the same",
-        choices=("float32", "bfloat16"),
+        "auto",
+        "auto (the trainer measures: bfloat16 autocast where the CPU has native bfloat16 and a "
+        "probe shows it faster, else float32; float32 on a GPU), float32, autocast (float32 "
+        "weights, bfloat16 compute; the exam runs in float32) or bfloat16 (--bf16: bfloat16 "
+        "weights; the exam uses the same)",
+        choices=("auto", "float32", "autocast", "bfloat16"),
         shortcut=("--bf16", "bfloat16"),
     )
     threads: int = setting(0, "torch threads per actor; 0: the CPUs Ray gave the actor")
-    gradient_checkpointing: bool = setting(
-        True, "recompute activations (memory stops growing with depth)"
+    gradient_checkpointing: bool | None = setting(
+        None,
+        "recompute activations (memory stops growing with depth, ~25%% slower); default: only "
+        "when the memory free would not hold the longest turn's activations, as measured",
     )
     seed: int | None = setting(None, "training draw seed; default from the clock, so rounds move")
     device: str = setting(
@@ -120,6 +135,8 @@ class Recipe:
             problems.append("--turns must be >= 1")
         if self.exam_turns is not None and self.exam_turns < 1:
             problems.append("--exam-turns must be >= 1")
+        if not self.tie_margin >= 0:
+            problems.append("--tie-margin must be >= 0")
         if self.validate_every is not None and not self.validate_every > 0:
             problems.append("--validate-every must be > 0")
         if problems:
@@ -147,6 +164,11 @@ class Recipe:
         )
 
     @property
+    def weights_precision(self) -> str:
+        """The dtype the weights are loaded in (training and exam): bfloat16 only when asked."""
+        return "bfloat16" if self.precision == "bfloat16" else "float32"
+
+    @property
     def lora(self) -> dict:
         return {
             "scope": self.lora_scope,
@@ -157,6 +179,25 @@ class Recipe:
 
 
 DEFAULT_STUDENT = "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+@dataclass(frozen=True)
+class ExamMode:
+    """How an exam generates. `plain()` (one turn at a time, the whole prompt, the whole
+    answer) is the reference the fast mode is checked against."""
+
+    batch: int = 16
+    stop_at_tool: bool = True
+    share_prefix: bool = True
+    tie_margin: float = 1e-4
+
+    @classmethod
+    def of(cls, recipe: Recipe) -> ExamMode:
+        return cls(recipe.exam_batch, not recipe.exam_full_answers, True, recipe.tie_margin)
+
+    @classmethod
+    def plain(cls, tie_margin: float = 1e-4) -> ExamMode:
+        return cls(batch=1, stop_at_tool=False, share_prefix=False, tie_margin=tie_margin)
 
 
 @dataclass(frozen=True)
@@ -209,6 +250,14 @@ class RoundSettings:
         "seconds a share's machine may be gone (after another share finished) before the "
         "share is left out",
     )
+    fall_points: float = setting(
+        20.0,
+        "a tool whose agreement falls by more than this many percentage points is flagged in "
+        "the report",
+    )
+    fall_min_asked: int = setting(
+        5, "only tools asked at least this often on the paper are flagged"
+    )
     # Per share, extra Ray actor options (tests throttle or pin a share with them); not a flag.
     share_options: tuple = ()
     recipe: Recipe = field(default_factory=Recipe)
@@ -230,6 +279,8 @@ class RoundSettings:
             problems.append("--shares must be 1 to 64")
         if not self.share_grace > 0:
             problems.append("--share-grace must be > 0")
+        if not 0 <= self.fall_points <= 100 or self.fall_min_asked < 1:
+            problems.append("--fall-points must be in [0, 100] and --fall-min-asked >= 1")
         if problems:
             raise ValueError("; ".join(problems))
 

@@ -23,6 +23,7 @@ from gbray.model import answer_loss, load_student
 from gbray.platform import set_threads
 from gbray.results import TrainSummary
 from gbray.settings import Recipe
+from gbray.tuning import Choices, SavedForBackward, autocast, choose, native_bfloat16
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,7 @@ class Trainer:
         start_name: str | None = None,
         pause_per_turn: float = 0.0,
         run_id: str | None = None,
+        native_bf16: Callable[[], tuple[bool, str]] = native_bfloat16,
     ):
         self.recipe, self.out = recipe, Path(out)
         self.on_saved = on_saved
@@ -154,20 +156,60 @@ class Trainer:
         torch.manual_seed(recipe.seed or 0)
         self.device = "cuda" if recipe.device == "cuda" else "cpu"
         self.model, self.tokenizer = load_student(
-            model_path, adapter, recipe.precision, trainable=True, lora=recipe.lora
+            model_path, adapter, recipe.weights_precision, trainable=True, lora=recipe.lora
         )
         self.model.to(self.device)
-        if recipe.gradient_checkpointing:
-            kwargs = {"use_reentrant": False}
-            if hasattr(self.model, "activation_checkpointing_enable"):
-                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-            else:  # transformers before 5
-                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-            # The frozen base must still build a graph back to the adapters.
-            self.model.enable_input_require_grads()
+        # Where the machine decides (autocast, checkpointing), the first probe or training
+        # measures it: see `configure`.
+        self.native_bf16 = native_bf16
+        self.choices: Choices | None = None
         self.model.config.use_cache = False
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=recipe.weight_decay)
+
+    # -- configuration ------------------------------------------------------------------------
+
+    def configure(self, longest: int) -> Choices:
+        """Settle autocast and checkpointing on this machine (once): `longest` is the longest
+        micro-batch in tokens. Printed, and returned with the training summary."""
+        if self.choices is None:
+            self.choices = choose(
+                self.recipe, self.threads, self.device, self._probe_step, longest, self.native_bf16
+            )
+            if self.choices.checkpointing:
+                self._checkpoint_activations()
+            self.report(self.choices.line())
+        return self.choices
+
+    def _checkpoint_activations(self) -> None:
+        kwargs = {"use_reentrant": False}
+        if hasattr(self.model, "activation_checkpointing_enable"):
+            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:  # transformers before 5
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        # The frozen base must still build a graph back to the adapters.
+        self.model.enable_input_require_grads()
+
+    def _probe_step(self, tokens: int, autocast_on: bool, _checkpointing: bool) -> int:
+        """One forward and backward on `tokens` ids (answer labelled on the last eight), its
+        gradients thrown away; returns the bytes the forward saved for backward. The random
+        state is put back after, so probing does not change what training draws (dropout)."""
+        with torch.random.fork_rng(devices=[]):
+            return self._probe_once(tokens, autocast_on)
+
+    def _probe_once(self, tokens: int, autocast_on: bool) -> int:
+        self.model.train()
+        generator = torch.Generator().manual_seed(0)
+        vocab = self.model.get_input_embeddings().num_embeddings
+        ids = torch.randint(0, vocab, (1, tokens), generator=generator).to(self.device)
+        labels = torch.full_like(ids, -100)
+        labels[:, -8:] = ids[:, -8:]
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+        with SavedForBackward(self.model) as saved, autocast(self.device, autocast_on):
+            loss, _ = answer_loss(self.model, batch)
+        loss.backward()
+        self.optimizer.zero_grad(set_to_none=True)
+        return saved.bytes
 
     # -- pieces -------------------------------------------------------------------------------
 
@@ -178,7 +220,9 @@ class Trainer:
         """Forward and backward one micro-batch; a non-finite loss is skipped and counted."""
         self.model.train()
         batch = self._to_device(collate(examples, self.tokenizer.pad_token_id))
-        loss, _ = answer_loss(self.model, batch)
+        choices = self.configure(batch["input_ids"].numel())
+        with autocast(self.device, choices.autocast):
+            loss, _ = answer_loss(self.model, batch)
         state.micro += 1
         if not torch.isfinite(loss):
             state.skipped_nan += 1
@@ -212,7 +256,8 @@ class Trainer:
         size = max(1, self.recipe.batch)
         for i in range(0, len(examples), size):
             batch = self._to_device(collate(examples[i : i + size], self.tokenizer.pad_token_id))
-            loss, n = answer_loss(self.model, batch)
+            with autocast(self.device, self.configure(batch["input_ids"].numel()).autocast):
+                loss, n = answer_loss(self.model, batch)
             if torch.isfinite(loss) and n:
                 total += loss.item() * n
                 count += n
@@ -367,6 +412,7 @@ class Trainer:
             return 0.0
         size = max(1, self.recipe.batch)
         batches = [examples[i : i + size] for i in range(0, len(examples), size)]
+        self.configure(longest_batch(examples, size))
         state = TrainState()
         self.micro_step(batches[0], state)
         started = self.clock()
@@ -394,6 +440,8 @@ class Trainer:
         val, _ = make_examples(self.tokenizer, val_turns, recipe.max_len, recipe.answer_room)
         if not examples:
             raise ValueError("no turns to train on")
+        entered = self.clock()
+        self.configure(longest_batch(examples, recipe.batch))
         passes_total = math.ceil(len(examples) * recipe.epochs)
         data_total = planned_steps(len(examples), recipe)
         plan = Plan(total=data_total, warmup=math.ceil(recipe.warmup * data_total))
@@ -405,8 +453,8 @@ class Trainer:
                 f"resumed from the last checkpoint at step {state.steps} "
                 f"({state.turn_passes} turn-passes, {elapsed / 60:.1f} min already spent)"
             )
-        # The budget counts what was spent before a crash.
-        started = self.clock() - elapsed
+        # The budget counts what was spent before a crash, and the configuration's probes.
+        started = entered - elapsed
         deadline = started + recipe.hours * 3600
         scheduler = make_scheduler(self.optimizer, plan, recipe, done=state.steps)
         self.report(
@@ -504,7 +552,13 @@ class Trainer:
             if measured > 1 and speed_passes >= 0 and state.turn_passes > speed_passes
             else None,
             resumed_from_step=self.resumed["step"] if self.resumed else None,
+            choices=self.choices.as_dict(),
         )
+
+
+def longest_batch(examples: list[Example], batch: int) -> int:
+    """Tokens in the largest micro-batch these examples can make (padded to the longest)."""
+    return max(len(e.input_ids) for e in examples) * min(max(1, batch), len(examples))
 
 
 def optimizer_digest(optimizer) -> str:

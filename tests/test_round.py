@@ -154,3 +154,24 @@ def test_process_record_holds_no_secrets(finished_round):
         assert not [k for k in proc["environment"] if "TOKEN" in k.upper() or "KEY" in k.upper()]
         assert "PATH" in proc["environment"]  # the record is not simply empty
     assert "must-not-leak" not in json.dumps(record)
+
+
+def test_round_json_pairs_the_baseline_with_the_result(finished_round):
+    from gbray.paired import mcnemar_p
+
+    record, _, _ = finished_round
+    before, after = record["baseline"], record["result"]
+    assert len(before["marks"]) == len(after["marks"]) == after["turns"]
+    assert after["marks"].count("1") == after["right"]
+    paired = record["comparison"]["paired"]
+    assert paired["only_after"] - paired["only_before"] == after["right"] - before["right"]
+    assert sum(paired[k] for k in ("only_after", "only_before", "both", "neither")) == 100
+    assert paired["p_value"] == mcnemar_p(paired["only_after"], paired["only_before"])
+    # A clear win on 100 turns is far from chance.
+    assert paired["p_value"] < 0.01, paired
+    rows = record["comparison"]["per_tool"]
+    assert sum(row["asked"] for row in rows.values()) == 100
+    assert isinstance(record["comparison"]["fell"], list)
+    # The fast exam: the prefix was shared and answers ended at their tool.
+    assert after["prefix_tokens"] > 16 and after["stop_at_tool"] is True
+    assert after["generated_tokens"] < 100 * 320

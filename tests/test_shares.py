@@ -60,7 +60,7 @@ def quick(**kw):
         hours=1.2 / 60, epochs=3, turns=240, lr=3e-3, batch=4, accum=1, lora_r=8, lora_alpha=16,
         max_len=384, val_turns=16, val_every_minutes=0.25, last_every_minutes=0.1,
         progress_every_minutes=0.1, exam_turns=40, answer_budget=24, seed=5, threads=1,
-        gradient_checkpointing=False,
+        gradient_checkpointing=False, precision="float32",
     )  # fmt: skip
     base.update(kw)
     return Recipe(**base)
@@ -277,3 +277,38 @@ def test_the_fields_merge_syntax_merges_trains_nothing_and_examines_once(
     assert len(record["exam_pids"]) == 2  # the shares' baseline and the merge's result
     assert record["start"] == "bare" and record["baseline"]["turns"] == 12
     assert (tmp_path / "r" / "merged" / "adapter_config.json").is_file()
+
+
+def test_an_exam_whose_machine_goes_away_is_asked_again_on_a_live_one(night, tmp_path):
+    """The failure behind a lost node's round: the result exam scheduled onto a machine that is
+    gone but not yet known dead. The examiner starts again elsewhere; the exam still answers."""
+    import ray
+
+    from gbray.actors import ExaminerActor
+    from gbray.data.turns import index_folder
+    from gbray.settings import ExamMode
+    from gbray.work import paper_of
+
+    corpus, student = night
+    _, evaluation = index_folder(corpus)
+    paper, _ = paper_of(evaluation, 200)
+    c, nodes = cluster("laptop", "desktop", head_cpus=0)
+    try:
+        ray.init(address=c.address)
+        recipe = quick()
+        examiner = ExaminerActor.options(num_cpus=1).remote(
+            str(student), None, recipe.precision, 1, "cpu", str(tmp_path / "progress.log")
+        )
+        first_pid, where = ray.get([examiner.pid.remote(), examiner.node.remote()])
+        exam = examiner.exam.remote(paper, recipe.answer_budget, recipe.max_len, ExamMode(4))
+        lost = next(n for n in nodes.values() if n.node_id == where)
+        c.remove_node(lost, allow_graceful=False)
+        result = ray.get(exam, timeout=300)
+        again = ray.get(examiner.pid.remote())
+        survivor = next(n for n in nodes.values() if n is not lost)
+    finally:
+        ray.shutdown()
+        c.shutdown()
+    assert result.turns == len(paper)
+    assert result.pid == again != first_pid
+    assert survivor.node_id != where

@@ -28,6 +28,7 @@ def recipe(**kw):
         device="cpu",
         threads=1,
         gradient_checkpointing=True,
+        precision="float32",
         exam_turns=10,
         turns=20,
     )

@@ -364,8 +364,13 @@ class SynthSettings:
     silver_share: float = 0.35
     silver_wrong: float = 0.25
     generic_title_share: float = 0.25
+    # A system prompt of about this many tokens (0: the short catalogue), as a real agent's
+    # catalogue is: every tool with a description and an argument schema, then usage rules.
+    system_tokens: int = 0
 
     def validate(self) -> None:
+        if self.system_tokens < 0:
+            raise ValueError("--system-tokens must be >= 0")
         if self.turns < 10 or self.eval_turns < 1:
             raise ValueError("synth needs --turns >= 10 and --eval-turns >= 1")
         if not 2 <= self.tools <= len(DEFAULT_TOOLS):
@@ -403,6 +408,28 @@ def catalogue(wording: Wording, table, with_descriptions: bool) -> str:
     lines = [wording.intro, "Tools:"]
     for name, _, kind, _ in table:
         lines.append(f"- {name}: use on a {kind} page" if with_descriptions else f"- {name}")
+    return "\n".join(lines)
+
+
+def long_catalogue(wording: Wording, table, tokens: int, rng: random.Random) -> str:
+    """A catalogue of about `tokens` tokens (3.6 characters a token): each tool described with
+    its argument schema, then numbered usage rules until the size is reached."""
+    lines = [wording.intro, "Tools:"]
+    for name, _, kind, signature in table:
+        args = {"n": "integer: the numbered element", "text": f"string, e.g. {rng.choice(TOPICS)}"}
+        lines.append(
+            f"- {name}: use on a {kind} page, usually the one showing {signature[0]}. "
+            f"Arguments: {json.dumps(args)}"
+        )
+    lines.append("Rules:")
+    rule = 0
+    while len("\n".join(lines)) < tokens * 3.6:
+        rule += 1
+        tool, _, kind, _ = rng.choice(table)
+        lines.append(
+            f"{rule}. On a {kind} page about {rng.choice(TOPICS)}, prefer {tool} after "
+            f"{rng.choice(FILLER)}; never call a tool the page does not offer."
+        )
     return "\n".join(lines)
 
 
@@ -486,7 +513,11 @@ def write_corpus(settings: SynthSettings) -> dict:
     wording = WORDINGS[settings.wording]
     table = tool_table(settings, rng)
     weights = [share for _, share, _, _ in table]
-    system = catalogue(wording, table, with_descriptions=settings.prompt_tokens >= 1200)
+    system = (
+        long_catalogue(wording, table, settings.system_tokens, random.Random(settings.seed + 1))
+        if settings.system_tokens
+        else catalogue(wording, table, with_descriptions=settings.prompt_tokens >= 1200)
+    )
     settings.out.mkdir(parents=True, exist_ok=True)
     counts = {}
     job_no = 0

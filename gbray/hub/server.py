@@ -15,7 +15,7 @@ import math
 import random
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from gbray.hub.adapters import AdapterStore, Refused, safe_name
+from gbray.hub.gate import GateRules
 from gbray.hub.store import Caller, Conflict, Forbidden, NotFound, Store
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class HubSettings:
     port: int = 8600
     claim_timeout: float = 600.0  # seconds a baseline claim survives its device's silence
     size_limit: int = 512 * 1024 * 1024
+    gate: GateRules = field(default_factory=GateRules)
 
 
 # -- what a device may send ----------------------------------------------------------------------
@@ -141,6 +143,8 @@ class ExamBody(Body):
 
     agreement_pct: Annotated[float, Field(ge=0, le=100, allow_inf_nan=False)]
     turns: Count | None = None
+    # One "1"/"0" per paper turn: what pairs a baseline with a result.
+    marks: Annotated[str, Field(max_length=10_000, pattern=r"^[01]*$")] | None = None
 
 
 class ToolRow(Body):
@@ -287,12 +291,13 @@ def one_line(error: RequestValidationError) -> str:
 
 
 def create_app(settings: HubSettings) -> FastAPI:
-    store = Store(settings.db, claim_timeout=settings.claim_timeout)
+    store = Store(settings.db, claim_timeout=settings.claim_timeout, rules=settings.gate)
     adapters = AdapterStore(settings.store, size_limit=settings.size_limit)
     app = FastAPI(
         title="gbray hub",
         description="Hands out slices and papers, caches baselines, keeps rounds, "
-        "their curves and adapters, and promotes only rounds that beat their own baseline.",
+        "their curves and adapters, and promotes only rounds that beat their own baseline and "
+        "what serves on the same paper.",
     )
     app.state.store, app.state.adapters = store, adapters
     app.add_middleware(Gate, store=store, size_limit=adapters.size_limit, piece=adapters.piece)
@@ -390,7 +395,7 @@ def create_app(settings: HubSettings) -> FastAPI:
         key = (body.scope, body.base, body.paper, body.turns, body.answer, body.student)
         device = getattr(body, "device", None)
         by = device if isinstance(device, str) and 0 < len(device) <= 200 else who[0]
-        store.tell_baseline(key, body.baseline.model_dump(), by)
+        store.tell_baseline(key, body.baseline.model_dump(exclude_unset=True), by)
         return {}
 
     @app.put("/v1/training/rounds/{round_id}/adapter")

@@ -14,10 +14,13 @@ import sqlite3
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 
 from gbray.data.sampler import draw
 from gbray.data.turns import BadLines, parse_turn
+from gbray.hub.gate import Candidate, GateRules, Serving, refusal
+from gbray.paired import fallen_tools, pair
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS turns (
@@ -66,8 +69,9 @@ def hash_token(token: str) -> str:
 
 
 class Store:
-    def __init__(self, path: Path, claim_timeout: float = 600.0):
+    def __init__(self, path: Path, claim_timeout: float = 600.0, rules: GateRules | None = None):
         self.path = Path(path)
+        self.rules = rules or GateRules()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.claim_timeout = claim_timeout
         self._local = threading.local()
@@ -345,6 +349,7 @@ class Store:
             out = dict(row)
             out["recipe"] = json.loads(out["recipe"] or "{}")
             out["end_body"] = json.loads(out["end_body"]) if out["end_body"] else None
+            out.update(self._compared(out["end_body"]))
             out["notes"] = [
                 dict(r)
                 for r in db.execute(
@@ -368,12 +373,30 @@ class Store:
                 for r in db.execute(
                     "SELECT id, device, base, turns, status, created, updated, ended, baseline, result, adapter, "
                     "paper, why, trained, stop, json_extract(recipe, '$.student') AS student, "
-                    "json_extract(recipe, '$.start') AS start, json_extract(recipe, '$.trial') AS trial "
+                    "json_extract(recipe, '$.start') AS start, json_extract(recipe, '$.trial') AS trial, "
+                    "json_extract(end_body, '$.baseline.marks') AS before_marks, "
+                    "json_extract(end_body, '$.result.marks') AS after_marks "
                     "FROM rounds "
                     "ORDER BY created DESC"
                 )
             ]
+        for r in rounds:
+            paired = pair(r.pop("before_marks"), r.pop("after_marks"))
+            r["p_value"] = paired.p_value if paired else None
         return {"rounds": rounds, "coverage": self.coverage(), "serving": self.serving()}
+
+    def _compared(self, body: dict | None) -> dict:
+        """The hub's own paired counts (from the marks) and fallen tools (by its rules)."""
+        body = body if isinstance(body, dict) else {}
+        exams = [
+            body.get(k) if isinstance(body.get(k), dict) else {} for k in ("baseline", "result")
+        ]
+        paired = pair(exams[0].get("marks"), exams[1].get("marks"))
+        rows = body.get("perTool") if isinstance(body.get("perTool"), dict) else {}
+        return {
+            "paired": asdict(paired) if paired else None,
+            "fell": fallen_tools(rows, self.rules.fall_points, self.rules.fall_min_asked),
+        }
 
     # -- baselines ------------------------------------------------------------------------------
 
@@ -415,19 +438,23 @@ class Store:
     # -- promotion ------------------------------------------------------------------------------
 
     def promote(self, round_id: str, adapter_name: str, adapter_exists: bool) -> dict:
+        """Put the round's adapter into service, or refuse (Conflict) naming the rule."""
         with self.transaction() as db:
             row = db.execute("SELECT * FROM rounds WHERE id = ?", (round_id,)).fetchone()
             if row is None:
                 raise NotFound(f"no round {round_id}")
-            if row["ended"] is None or row["status"] != "done":
-                raise Conflict(f"round {round_id} has not ended done (status {row['status']})")
-            if row["baseline"] is None or row["result"] is None or not row["paper"]:
-                raise Conflict(f"round {round_id} reported no baseline and result on one paper")
-            if not row["result"] > row["baseline"]:
-                raise Conflict(
-                    f"round {round_id} did not beat its baseline on paper {row['paper']}: "
-                    f"{row['result']:.1f} vs {row['baseline']:.1f}"
-                )
+            candidate = Candidate(
+                round=round_id,
+                status=row["status"],
+                ended=row["ended"] is not None,
+                paper=row["paper"],
+                baseline=row["baseline"],
+                result=row["result"],
+                end_body=json.loads(row["end_body"]) if row["end_body"] else {},
+            )
+            reason = refusal(candidate, self._serving_on(db, row["paper"]), self.rules)
+            if reason:
+                raise Conflict(reason)
             if not adapter_exists:
                 raise Conflict(f"round {round_id} has no adapter on the hub")
             db.execute(
@@ -435,6 +462,38 @@ class Store:
                 (round_id, adapter_name, time.time()),
             )
         return self.serving()
+
+    def _serving_on(self, db, paper: str | None) -> Serving | None:
+        """What serves now, with its score on `paper`: its own round's result if it sat that
+        paper, else a round or trial that started from it there (a trial's result, a round's
+        baseline), else a baseline told for it there."""
+        now = db.execute(
+            "SELECT s.round, s.adapter, r.paper, r.result FROM serving s "
+            "JOIN rounds r ON r.id = s.round ORDER BY s.seq DESC LIMIT 1"
+        ).fetchone()
+        if now is None:
+            return None
+        if paper and now["paper"] == paper and now["result"] is not None:
+            return Serving(now["round"], now["result"], f"its own result on {paper}")
+        names = (f"hub:{now['adapter']}", now["adapter"])
+        row = db.execute(
+            "SELECT id, CASE WHEN json_extract(recipe, '$.trial') THEN result ELSE baseline END "
+            "AS score, json_extract(recipe, '$.trial') AS trial FROM rounds "
+            "WHERE paper = ? AND status = 'done' AND json_extract(recipe, '$.start') IN (?, ?) "
+            "AND score IS NOT NULL ORDER BY ended DESC LIMIT 1",
+            (paper, *names),
+        ).fetchone()
+        if row is not None:
+            how = "trial" if row["trial"] else "baseline of round"
+            return Serving(now["round"], row["score"], f"{how} {row['id']} on {paper}")
+        told = db.execute(
+            "SELECT value, by FROM baselines WHERE paper = ? AND base IN (?, ?) "
+            "AND value IS NOT NULL ORDER BY claimed DESC LIMIT 1",
+            (paper, *names),
+        ).fetchone()
+        if told is not None:
+            return Serving(now["round"], told["value"], f"baseline told by {told['by']} on {paper}")
+        return Serving(now["round"], None, None)
 
     def serving(self) -> dict | None:
         with self.connect() as db:

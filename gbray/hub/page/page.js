@@ -78,6 +78,7 @@ function roundRow(r, sv) {
     el("td", {}, num(r.trained) ?? "–"),
     el("td", {}, fmt(baseline)),
     el("td", { class: cls }, fmt(result)),
+    el("td", {}, num(r.p_value) === null ? "–" : num(r.p_value).toPrecision(2)),
     el("td", {}, sv && sv.round === r.id ? "serving" : ""));
   tr.addEventListener("click", () => { selected = r.id; refresh(); });
   return tr;
@@ -131,10 +132,19 @@ async function detail(id) {
     button("promote", () => api(path + "/promote", { method: "POST" })),
   ] : []));
   curve(Array.isArray(r.checks) ? r.checks : []);
+  const p = r.paired && typeof r.paired === "object" ? r.paired : null;
+  const fell = Array.isArray(r.fell) ? r.fell : [];
+  $("paired").textContent = p
+    ? `paired on ${num(p.only_after) + num(p.only_before) + num(p.both) + num(p.neither)} turns: ` +
+      `${num(p.only_after)} only the new adapter got right, ${num(p.only_before)} only the start; ` +
+      `exact McNemar p = ${num(p.p_value) === null ? "–" : num(p.p_value).toPrecision(3)}` +
+      (fell.length ? ` · fell: ${fell.map((f) => String(f.tool)).join(", ")}` : "")
+    : "no per-turn marks for both exams: not paired";
+  const fallen = new Set(fell.map((f) => String(f.tool)));
   const tools = r.end_body && typeof r.end_body.perTool === "object" && r.end_body.perTool ? r.end_body.perTool : {};
   const rows = Object.entries(tools).map(([t, v]) => {
     const row = v && typeof v === "object" ? v : {};
-    return el("tr", {}, el("td", {}, t), el("td", {}, row.asked ?? "–"),
+    return el("tr", fallen.has(t) ? { class: "lost" } : {}, el("td", {}, t), el("td", {}, row.asked ?? "–"),
       el("td", {}, row.before ?? "–"), el("td", {}, row.after ?? "–"));
   });
   $("tools").tBodies[0].replaceChildren(...(rows.length ? rows :

@@ -1,0 +1,113 @@
+"""The promotion gate: which ended round may serve, and, when it may not, the rule that says no.
+
+A round is promoted only if it ended done, beat its own baseline on its paper, and scores above
+what serves now on that same paper (a round is held to what serves, not only to where it
+started). The owner may further require the win to be significant (exact McNemar p below a
+level, from the per-turn marks both exams carry) and no tool to have fallen by more than a set
+amount. The paired counts are recomputed here from the marks; the device's own p is not trusted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gbray.paired import fallen_tools, pair
+from gbray.settings import setting
+
+
+@dataclass(frozen=True)
+class GateRules:
+    """What a round must also show to be promoted, beyond beating its baseline and what serves."""
+
+    promote_p: float | None = setting(
+        None,
+        "also require significance: the exact McNemar p-value of the round against its "
+        "baseline, from the per-turn marks, below this (e.g. 0.05)",
+    )
+    refuse_fallen: bool = setting(
+        False, "also refuse a round with a tool that fell by more than --fall-points"
+    )
+    fall_points: float = setting(
+        20.0, "percentage points a tool's agreement may fall before it is flagged"
+    )
+    fall_min_asked: int = setting(5, "only tools asked at least this often on the paper count")
+
+    def validate(self) -> None:
+        if self.promote_p is not None and not 0 < self.promote_p <= 1:
+            raise ValueError("--promote-p must be in (0, 1]")
+        if not 0 <= self.fall_points <= 100 or self.fall_min_asked < 1:
+            raise ValueError("--fall-points must be in [0, 100] and --fall-min-asked >= 1")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """The round asked to serve, as the hub stored its end."""
+
+    round: str
+    status: str
+    ended: bool
+    paper: str | None
+    baseline: float | None
+    result: float | None
+    end_body: dict
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What serves now and its score on the candidate's paper (None: never measured there)."""
+
+    round: str
+    score: float | None
+    measured_by: str | None  # how the score is known: which round measured it, and how
+
+
+def refusal(c: Candidate, serving: Serving | None, rules: GateRules) -> str | None:
+    """The reason the candidate may not serve, naming the rule; None when every rule holds."""
+    if not c.ended or c.status != "done":
+        return f"round {c.round} has not ended done (status {c.status})"
+    if c.baseline is None or c.result is None or not c.paper:
+        return f"round {c.round} reported no baseline and result on one paper"
+    if not c.result > c.baseline:
+        return (
+            f"beat its baseline: round {c.round} did not beat its baseline on paper {c.paper}: "
+            f"{c.result:.1f} vs {c.baseline:.1f}"
+        )
+    if serving is not None and serving.round != c.round:
+        if serving.score is None:
+            return (
+                f"above what serves: what serves (round {serving.round}) has no score on paper "
+                f"{c.paper}; measure it there first (gbray trial --adapter hub:{serving.round})"
+            )
+        if not c.result > serving.score:
+            return (
+                f"above what serves: round {c.round} scored {c.result:.1f} on paper {c.paper}, "
+                f"not above what serves (round {serving.round}: {serving.score:.1f}, "
+                f"{serving.measured_by})"
+            )
+    body = c.end_body or {}
+    if rules.promote_p is not None:
+        paired = pair(_marks(body.get("baseline")), _marks(body.get("result")))
+        if paired is None:
+            return (
+                f"significance: round {c.round} carries no per-turn marks for both its baseline "
+                f"and its result, so its p-value is unknown"
+            )
+        if not paired.p_value < rules.promote_p:
+            return (
+                f"significance: round {c.round}'s win is not significant ({paired.sentence()}; "
+                f"required below {rules.promote_p:g})"
+            )
+    if rules.refuse_fallen:
+        rows = body.get("perTool") if isinstance(body.get("perTool"), dict) else {}
+        fell = fallen_tools(rows, rules.fall_points, rules.fall_min_asked)
+        if fell:
+            named = ", ".join(f"{f['tool']} {f['before']} -> {f['after']}" for f in fell[:5])
+            return (
+                f"no fallen tool: round {c.round} has tools that fell by more than "
+                f"{rules.fall_points:g} points: {named}"
+            )
+    return None
+
+
+def _marks(exam) -> str | None:
+    return exam.get("marks") if isinstance(exam, dict) else None

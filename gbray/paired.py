@@ -1,0 +1,108 @@
+"""Before and after, paired: the same turns sat by two models. The discordant counts, the exact
+McNemar p-value, and per tool what changed, with the tools that fell by more than a set amount.
+Torch-free: the round reports it and the hub's promotion gate recomputes it from the marks."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+
+MARKS = re.compile(r"[01]*")
+
+
+def mcnemar_p(only_after: int, only_before: int) -> float:
+    """The exact two-sided McNemar p-value: under "no difference" each discordant turn is a fair
+    coin, so p is twice the binomial tail of the smaller count (at most 1). Written out with
+    math.comb because it is two lines and keeps scipy off the hub."""
+    n = only_after + only_before
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(only_after, only_before) + 1))
+    return min(1.0, 2 * tail / 2**n)
+
+
+@dataclass(frozen=True)
+class Paired:
+    """The two exams turn by turn: `only_after` the turns only the new model got right,
+    `only_before` those only the start got right."""
+
+    only_after: int
+    only_before: int
+    both: int
+    neither: int
+    p_value: float
+
+    @property
+    def turns(self) -> int:
+        return self.only_after + self.only_before + self.both + self.neither
+
+    def sentence(self) -> str:
+        return (
+            f"{self.only_after} turns only the new adapter got right, {self.only_before} only "
+            f"the start; McNemar p = {self.p_value:.3g}"
+        )
+
+
+def valid_marks(marks) -> bool:
+    return isinstance(marks, str) and MARKS.fullmatch(marks) is not None
+
+
+def pair(before: str | None, after: str | None) -> Paired | None:
+    """The paired counts of two exams' marks (one "1"/"0" per turn, paper order), or None when
+    either has none or they are not the same length (not the same paper)."""
+    if not (valid_marks(before) and valid_marks(after)) or len(before) != len(after):
+        return None
+    counts = {(b, a): 0 for b in "01" for a in "01"}
+    for b, a in zip(before, after, strict=True):
+        counts[b, a] += 1
+    only_after, only_before = counts["0", "1"], counts["1", "0"]
+    return Paired(
+        only_after=only_after,
+        only_before=only_before,
+        both=counts["1", "1"],
+        neither=counts["0", "0"],
+        p_value=mcnemar_p(only_after, only_before),
+    )
+
+
+def _fraction(cell) -> tuple[int, int] | None:
+    """ "right/asked" as the per-tool table carries it."""
+    if not isinstance(cell, str) or "/" not in cell:
+        return None
+    right, _, asked = cell.partition("/")
+    if not (right.isdigit() and asked.isdigit()) or int(asked) == 0:
+        return None
+    return int(right), int(asked)
+
+
+def fallen_tools(per_tool: dict, fall_points: float, min_asked: int) -> list[dict]:
+    """Tools asked at least `min_asked` times whose agreement fell by more than `fall_points`
+    percentage points, from a per-tool table of {tool: {before: "r/a", after: "r/a"}}."""
+    fell = []
+    for tool, row in per_tool.items():
+        if not isinstance(row, dict):
+            continue
+        before, after = _fraction(row.get("before")), _fraction(row.get("after"))
+        if not before or not after or before[1] != after[1] or before[1] < min_asked:
+            continue
+        points = 100.0 * (after[0] - before[0]) / before[1]
+        if points < -fall_points:
+            fell.append(
+                {"tool": tool, "before": row["before"], "after": row["after"], "points": points}
+            )
+    return sorted(fell, key=lambda f: f["points"])
+
+
+def comparison(
+    before_marks: str | None, after_marks: str | None, per_tool: dict, fall_points: float,
+    min_asked: int,
+) -> dict:  # fmt: skip
+    """What round.json, the hub's end and the page carry about before vs after."""
+    paired = pair(before_marks, after_marks)
+    return {
+        "paired": asdict(paired) if paired else None,
+        "fell": fallen_tools(per_tool, fall_points, min_asked),
+        "fall_points": fall_points,
+        "fall_min_asked": min_asked,
+    }

@@ -1,0 +1,169 @@
+"""How the trainer configures itself on the machine it finds, from measurement.
+
+- Threads: the CPUs its actor holds (oversubscribed threads are catastrophic).
+- bfloat16 autocast (float32 weights, bfloat16 compute) only where the CPU has native bfloat16
+  (AMX or AVX512-BF16) and a short probe of forward and backward shows it faster; on a GPU only
+  when asked (SPEC §5). Without native support bfloat16 was reported 44x slower than float32.
+- Gradient checkpointing only when the memory measured free would not hold the activations of
+  the longest turn (measured on a probe turn and scaled by length): its ~25% recompute is the
+  price of memory, not a law.
+
+Each choice can be forced by its setting (`--precision`, `--gradient-checkpointing`,
+`--threads`); all are printed at start and stored with the round's recipe.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+
+import psutil
+import torch
+
+log = logging.getLogger(__name__)
+
+PROBE_TOKENS = 256
+# Activations may use at most this share of the memory free when training starts.
+MEMORY_SHARE = 0.6
+
+
+@dataclass(frozen=True)
+class Choices:
+    """What the trainer runs with, and why each was chosen."""
+
+    threads: int
+    autocast: bool
+    checkpointing: bool
+    why_precision: str
+    why_checkpointing: str
+
+    def line(self) -> str:
+        precision = "bfloat16 autocast" if self.autocast else "float32"
+        return (
+            f"configured: {precision} ({self.why_precision}); checkpointing "
+            f"{'on' if self.checkpointing else 'off'} ({self.why_checkpointing}); "
+            f"{self.threads} threads"
+        )
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def native_bfloat16() -> tuple[bool, str]:
+    """Whether this CPU computes bfloat16 natively, and what it has."""
+    if torch.cpu._is_amx_tile_supported():
+        return True, "the CPU has AMX"
+    if torch.cpu._is_avx512_bf16_supported():
+        return True, "the CPU has AVX512-BF16"
+    return False, f"the CPU has no native bfloat16 ({torch.backends.cpu.get_cpu_capability()})"
+
+
+def autocast(device: str, on: bool):
+    return torch.autocast(device_type=device, dtype=torch.bfloat16) if on else nullcontext()
+
+
+class SavedForBackward:
+    """Bytes the forward pass keeps for backward (the activations), parameters left out:
+    measured exactly through autograd's saved-tensor hooks, where a process's resident size
+    would also count the allocator's caching."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.params = {p.data_ptr() for p in model.parameters()}
+        self.storages: dict[int, int] = {}
+
+    def _pack(self, tensor):
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr not in self.params:
+            self.storages[ptr] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    def __enter__(self):
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())
+
+
+def free_memory(device: str) -> int:
+    if device == "cuda":
+        return torch.cuda.mem_get_info()[0]
+    return psutil.virtual_memory().available
+
+
+def _seconds(step: Callable[[], None], repeats: int = 2) -> float:
+    step()  # warm-up: first calls pay for kernel selection and allocation
+    started = time.perf_counter()
+    for _ in range(repeats):
+        step()
+    return (time.perf_counter() - started) / repeats
+
+
+def choose(
+    recipe,
+    threads: int,
+    device: str,
+    step_on: Callable[[int, bool, bool], None],
+    longest: int,
+    native: Callable[[], tuple[bool, str]] = native_bfloat16,
+) -> Choices:
+    """The trainer's choices for this machine. `step_on(tokens, autocast, checkpointing)` runs one
+    forward and backward on a probe turn of that many tokens (its gradients thrown away) and
+    returns the bytes its forward saved for backward; `longest` is the longest training turn in
+    tokens times the batch."""
+    probe = max(16, min(PROBE_TOKENS, longest))
+    autocast_on, why_precision = _choose_precision(recipe, device, step_on, probe, native)
+    checkpointing, why_ckpt = _choose_checkpointing(
+        recipe, device, step_on, probe, longest, autocast_on
+    )
+    return Choices(threads, autocast_on, checkpointing, why_precision, why_ckpt)
+
+
+def _choose_precision(recipe, device, step_on, probe, native) -> tuple[bool, str]:
+    if recipe.precision == "autocast":
+        return True, "asked (--precision autocast)"
+    if recipe.precision in ("float32", "bfloat16"):
+        return False, f"asked (--precision {recipe.precision})"
+    if device == "cuda":
+        return False, "float32 on a GPU unless asked (SPEC §5)"
+    has, what = native()
+    if not has:
+        return False, what
+    plain = _seconds(lambda: step_on(probe, False, False))
+    mixed = _seconds(lambda: step_on(probe, True, False))
+    if mixed < plain:
+        return True, f"{what}; a {probe}-token probe ran {plain / mixed:.1f}x faster in it"
+    return False, f"{what}, but a {probe}-token probe ran {mixed / plain:.1f}x slower in it"
+
+
+def _choose_checkpointing(recipe, device, step_on, probe, longest, autocast_on) -> tuple[bool, str]:
+    if recipe.gradient_checkpointing is not None:
+        flag = (
+            "--gradient-checkpointing"
+            if recipe.gradient_checkpointing
+            else "--no-gradient-checkpointing"
+        )
+        return recipe.gradient_checkpointing, f"asked ({flag})"
+    saved = step_on(probe, autocast_on, False)
+    # Activations grow with the tokens (attention through SDPA keeps no score matrix); half
+    # again for what a step holds briefly beside them (logits, gradients in flight).
+    need = 1.5 * saved * longest / probe
+    free = free_memory(device)
+    gb = 1024**3
+    if need <= MEMORY_SHARE * free:
+        return (
+            False,
+            f"the longest turn needs about {need / gb:.1f} GB of the {free / gb:.1f} GB free",
+        )
+    return True, (
+        f"the longest turn would need about {need / gb:.1f} GB of activations; "
+        f"{free / gb:.1f} GB free"
+    )

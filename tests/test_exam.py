@@ -1,0 +1,159 @@
+"""The exam: fast (batched, shared prefix cached, answers ended at their tool) and exact (the same
+tool on every turn as plain one-turn-at-a-time generate with the whole budget, near-ties
+reported); and honest (paired counts and the exact McNemar p-value)."""
+
+import math
+
+import pytest
+
+from gbray.paired import comparison, fallen_tools, mcnemar_p, pair
+
+# -- paired -------------------------------------------------------------------------------------
+
+
+def binomial_two_sided(k: int, n: int) -> float:
+    """The exact two-sided binomial test at 1/2 by summing every outcome as likely or less
+    (the textbook definition, independent of the tail formula under test)."""
+    probs = [math.comb(n, i) / 2**n for i in range(n + 1)]
+    return min(1.0, sum(p for p in probs if p <= probs[k] * (1 + 1e-12)))
+
+
+@pytest.mark.parametrize("b,c", [(0, 0), (1, 0), (10, 0), (10, 2), (3, 1), (7, 6), (40, 25)])
+def test_mcnemar_p_is_the_exact_binomial_test_of_the_discordant_turns(b, c):
+    assert mcnemar_p(b, c) == pytest.approx(binomial_two_sided(min(b, c), b + c) if b + c else 1)
+    assert mcnemar_p(b, c) == mcnemar_p(c, b)
+
+
+def test_mcnemar_p_known_values():
+    assert mcnemar_p(0, 0) == 1.0
+    assert mcnemar_p(10, 0) == pytest.approx(2 / 1024)
+    assert mcnemar_p(10, 2) == pytest.approx(0.03857, abs=1e-5)  # binomtest(2, 12)
+    # Won by one turn in 150: nowhere near significant.
+    assert mcnemar_p(4, 3) == 1.0
+
+
+def test_pair_counts_each_kind_of_turn():
+    p = pair("110010", "011011")
+    assert (p.only_after, p.only_before, p.both, p.neither) == (2, 1, 2, 1)
+    assert p.turns == 6 and p.p_value == mcnemar_p(2, 1)
+    assert pair("1100", "110") is None  # not the same paper
+    assert pair(None, "1") is None and pair("1x", "10") is None
+
+
+def test_a_tool_that_fell_is_flagged_only_past_the_amount_and_the_floor():
+    rows = {
+        "open": {"asked": 10, "before": "8/10", "after": "3/10"},  # -50 points
+        "click": {"asked": 10, "before": "8/10", "after": "7/10"},  # -10
+        "rare": {"asked": 2, "before": "2/2", "after": "0/2"},  # asked too rarely
+        "new": {"asked": 6, "before": None, "after": "1/6"},
+    }
+    fell = fallen_tools(rows, fall_points=20, min_asked=5)
+    assert [f["tool"] for f in fell] == ["open"] and fell[0]["points"] == -50
+    out = comparison("10", "01", rows, 20, 5)
+    assert out["paired"]["only_after"] == 1 and [f["tool"] for f in out["fell"]] == ["open"]
+
+
+def test_shared_prefix_leaves_each_prompt_a_token_of_its_own():
+    from gbray.examiner import shared_prefix
+
+    assert shared_prefix([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 9]]) == [1, 2]
+    assert shared_prefix([[1, 2, 3], [1, 2, 3]]) == [1, 2]
+    assert shared_prefix([[7], [1, 2]]) == []
+
+
+# -- fast and exact -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def taught(corpus, tmp_path_factory):
+    """The tiny student, briefly pre-trained: it names tools, often within 20 tokens."""
+    from gbray.student import StudentSettings, build_student
+
+    out = tmp_path_factory.mktemp("taught")
+    build_student(StudentSettings(data=corpus, out=out, pretrain_seconds=30, vocab=600))
+    return out
+
+
+def divergence(a, b) -> int:
+    return next(
+        (k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+
+
+def check_exact(examiner, paper):
+    """The fast exam against plain generation: every tool the same, and every fast answer the
+    plain answer's beginning, except where the two diverge at a near-tie (reported)."""
+    from gbray.data.fit import fit_prompt
+    from gbray.examiner import near_ties
+    from gbray.settings import ExamMode
+
+    prompts = [fit_prompt(examiner.tokenizer, t["system"], t["user"], 512)[0] for t in paper]
+    fast = examiner.answers(prompts, 320, ExamMode(batch=8))
+    assert examiner.prefix_tokens > 16
+    plain = examiner.answers(prompts, 320, ExamMode.plain())
+    ties, reported = [], {t["turn"] for t in near_ties(fast, 1e-4)}
+    for turn, (f, q) in enumerate(zip(fast, plain, strict=True)):
+        step = divergence(f.tokens, q.tokens)
+        if step < len(f.tokens):  # the fast answer is not the plain answer's beginning
+            margin = min(f.margins[step], q.margins[step])
+            ties.append({"turn": turn, "step": step, "margin": margin, "tools": (f.tool, q.tool)})
+            assert margin < 1e-4, ties[-1]
+            assert turn in reported  # the exam itself reports it
+        else:
+            assert f.tool == q.tool, (turn, f.text, q.text)
+    if ties:
+        print("near-ties (turn, step, margin, fast/plain tool):", ties)
+    return fast, plain, {t["turn"] for t in ties}
+
+
+def paper_from(corpus, turns):
+    from gbray.data.turns import index_folder
+    from gbray.work import paper_of
+
+    _, evaluation = index_folder(corpus)
+    return paper_of(evaluation, turns)[0]
+
+
+def test_the_fast_exam_names_the_same_tool_as_plain_generate_on_the_tiny_student(taught, corpus):
+    from gbray.examiner import Examiner
+
+    examiner = Examiner(str(taught), None, "float32", 2, "cpu")
+    fast, plain, tied = check_exact(examiner, paper_from(corpus, 60))
+    named = sum(a.tool is not None for a in plain)
+    assert named >= 30, named  # the case that matters: answers that name tools
+    # Ending at the tool saved tokens, and only where a tool was named.
+    assert sum(len(a.tokens) for a in fast) < sum(len(a.tokens) for a in plain)
+    for turn, (f, q) in enumerate(zip(fast, plain, strict=True)):
+        if q.tool is None and turn not in tied:
+            assert f.tokens == q.tokens
+
+
+def test_the_fast_exam_matches_plain_generate_on_a_random_weight_qwen2(raw_student, corpus):
+    """Random weights: 320 tokens of nonsense on every turn, the longest answers there are;
+    every token must match, except across a near-tie."""
+    from transformers import AutoConfig
+
+    from gbray.examiner import Examiner
+
+    assert AutoConfig.from_pretrained(raw_student).model_type == "qwen2"
+    examiner = Examiner(str(raw_student), None, "float32", 2, "cpu")
+    fast, plain, tied = check_exact(examiner, paper_from(corpus, 24))
+    assert all(len(q.tokens) == 320 for q in plain)
+    same = [
+        turn for turn, (f, q) in enumerate(zip(fast, plain, strict=True)) if f.tokens == q.tokens
+    ]
+    assert set(range(24)) - set(same) <= tied
+
+
+def test_the_full_answer_mode_generates_to_the_budget(taught, corpus):
+    from gbray.examiner import Examiner
+    from gbray.settings import ExamMode, Recipe
+
+    examiner = Examiner(str(taught), None, "float32", 2, "cpu")
+    paper = paper_from(corpus, 16)
+    recipe = Recipe(exam_full_answers=True, exam_batch=8, max_len=768)
+    full = examiner.exam(paper, 320, 768, ExamMode.of(recipe))
+    short = examiner.exam(paper, 320, 768, ExamMode.of(Recipe(exam_batch=8, max_len=768)))
+    assert full.stop_at_tool is False and short.stop_at_tool is True
+    assert full.marks == short.marks and len(full.marks) == 16
+    assert full.generated_tokens > short.generated_tokens
