@@ -165,6 +165,7 @@ def time_trl(args, model_dir: Path) -> dict:
         args=config,
         train_dataset=data,
         processing_class=tokenizer,
+        callbacks=[Clock()],
         peft_config=LoraConfig(
             r=LORA["r"],
             lora_alpha=LORA["alpha"],
