@@ -73,6 +73,9 @@ class StudentSettings:
     size: str = "tiny"
     vocab: int = 1536
     pretrain_seconds: float = 90.0
+    # When set, pre-training runs exactly this many steps instead (the same student on any
+    # machine: what tests that need a student of a known skill use).
+    pretrain_steps: int = 0
     pretrain_max_len: int = 1024
     pretrain_lr: float = 3e-3
     pretrain_batch: int = 8
@@ -211,14 +214,21 @@ def pretrain(model, tokenizer, turns: list[dict], settings: StudentSettings) -> 
     model.train()
     start, steps, losses = time.monotonic(), 0, []
     last_note = start
-    while time.monotonic() - start < settings.pretrain_seconds:
+
+    def spent() -> float:
+        """How much of the budget (steps, else seconds) is used, from 0 to 1."""
+        if settings.pretrain_steps:
+            return steps / settings.pretrain_steps
+        return (time.monotonic() - start) / settings.pretrain_seconds
+
+    while spent() < 1:
         rng.shuffle(batches)
         for batch in batches:
             elapsed = time.monotonic() - start
-            if elapsed >= settings.pretrain_seconds:
+            if spent() >= 1:
                 break
-            # A short warm-up, then linear decay over the time budget.
-            frac = min(1.0, (steps + 1) / 20) * max(0.05, 1 - elapsed / settings.pretrain_seconds)
+            # A short warm-up, then linear decay over the budget.
+            frac = min(1.0, (steps + 1) / 20) * max(0.05, 1 - spent())
             for group in optimizer.param_groups:
                 group["lr"] = settings.pretrain_lr * frac
             tensors = collate(batch, tokenizer.pad_token_id)
@@ -270,7 +280,7 @@ def build_student(settings: StudentSettings) -> dict:
     }
     if settings.size == "tiny":
         report["recipe_hints"] = TINY_HINTS
-        if settings.pretrain_seconds > 0:
+        if settings.pretrain_seconds > 0 or settings.pretrain_steps > 0:
             report["pretraining"] = pretrain(model, tokenizer, turns, settings)
     settings.out.mkdir(parents=True, exist_ok=True)
     model.to(torch.float32).save_pretrained(settings.out)

@@ -66,11 +66,12 @@ def test_shared_prefix_leaves_each_prompt_a_token_of_its_own():
 
 @pytest.fixture(scope="module")
 def taught(corpus, tmp_path_factory):
-    """The tiny student, briefly pre-trained: it names tools, often within 20 tokens."""
+    """The tiny student, briefly pre-trained (a fixed number of steps, so the same student on any
+    machine): it names tools, often within 20 tokens."""
     from gbray.student import StudentSettings, build_student
 
     out = tmp_path_factory.mktemp("taught")
-    build_student(StudentSettings(data=corpus, out=out, pretrain_seconds=30, vocab=600))
+    build_student(StudentSettings(data=corpus, out=out, pretrain_steps=330, vocab=600))
     return out
 
 
