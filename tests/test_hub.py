@@ -87,6 +87,13 @@ def test_load_cut_the_paper_by_job(hub):
     )
 
 
+def test_no_token_begins_with_a_dash():
+    """A device passes its token as `--token VALUE`; argparse reads "-..." as a flag."""
+    from gbray.hub.store import new_token
+
+    assert not any(new_token().startswith("-") for _ in range(2000))
+
+
 def test_missing_or_wrong_token_is_401_and_changes_nothing(hub):
     before = len(api(hub, "GET", "/v1/training/state").json()["rounds"])
     for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "Basic x"}):

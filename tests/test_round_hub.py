@@ -230,6 +230,21 @@ def cli_round(hub, corpus, student, out, *flags):
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def wait_for_note(hub, proc, words: str, within: float = 240) -> str:
+    """The id of the running round whose notes say `words`; a round that exits first fails the
+    test with its stderr."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the round exited ({proc.returncode}) first: {proc.stderr.read()[-2000:]}")
+        for r in get(hub, "/v1/training/state").json()["rounds"]:
+            notes = get(hub, f"/v1/training/rounds/{r['id']}").json()["notes"]
+            if r["status"] == "running" and any(words in n["line"] for n in notes):
+                return r["id"]
+        time.sleep(0.5)
+    pytest.fail(f"no note saying {words!r} within {within:.0f} s")
+
+
 def test_stop_during_an_exam(hub, corpus, raw_student, tmp_path):
     out = tmp_path / "r"
     proc = cli_round(
@@ -250,17 +265,7 @@ def test_stop_during_an_exam(hub, corpus, raw_student, tmp_path):
         "--threads",
         "2",
     )
-    rid = None
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and rid is None:
-        for r in get(hub, "/v1/training/state").json()["rounds"]:
-            if any(
-                "baseline exam" in n["line"]
-                for n in get(hub, f"/v1/training/rounds/{r['id']}").json()["notes"]
-            ):
-                rid = r["id"]
-        time.sleep(0.5)
-    assert rid, "the baseline exam never started"
+    rid = wait_for_note(hub, proc, "baseline exam")
     time.sleep(3)  # well inside the exam: 150 turns of 320 tokens from an untrained student
     asked = time.monotonic()
     assert requests.post(
@@ -416,15 +421,7 @@ def test_stop_during_training(hub, corpus, raw_student, tmp_path):
         "--threads",
         "2",
     )
-    rid = None
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and rid is None:
-        for r in get(hub, "/v1/training/state").json()["rounds"]:
-            notes = get(hub, f"/v1/training/rounds/{r['id']}").json()["notes"]
-            if r["status"] == "running" and any("turn-passes" in n["line"] for n in notes):
-                rid = r["id"]
-        time.sleep(0.5)
-    assert rid, "training never reported progress"
+    rid = wait_for_note(hub, proc, "turn-passes")
     asked = time.monotonic()
     assert requests.post(
         f"{hub.url}/v1/training/rounds/{rid}/stop", headers=hub.headers("owner"), timeout=10

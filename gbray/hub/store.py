@@ -68,6 +68,14 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+def new_token() -> str:
+    """A URL-safe secret that never begins with "-": devices pass it as `--token VALUE`, and
+    argparse takes a value beginning with "-" for a flag (1 token in 64 would otherwise be)."""
+    while (token := secrets.token_urlsafe(24)).startswith("-"):
+        pass
+    return token
+
+
 class Store:
     def __init__(self, path: Path, claim_timeout: float = 600.0, rules: GateRules | None = None):
         self.path = Path(path)
@@ -114,7 +122,7 @@ class Store:
     # -- tokens ---------------------------------------------------------------------------------
 
     def add_token(self, name: str, owner: bool) -> str:
-        token = secrets.token_urlsafe(24)
+        token = new_token()
         with self.transaction() as db:
             db.execute(
                 "INSERT OR REPLACE INTO tokens VALUES (?, ?, ?, ?)",
