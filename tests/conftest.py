@@ -26,6 +26,27 @@ def raw_student(corpus, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def learnable(tmp_path_factory) -> tuple[Path, Path]:
+    """A corpus a tiny student learns well in minutes (14 tools, short pages) and that student,
+    pre-trained a fixed 420 steps (about 50 s here; steps, not seconds, so it is the same student
+    on any machine). The round, shares and exam tests share it; a test that changes the data
+    works on a copy."""
+    from gbray.data.synth import SynthSettings, write_corpus
+    from gbray.student import StudentSettings, build_student
+
+    root = tmp_path_factory.mktemp("learnable")
+    write_corpus(
+        SynthSettings(
+            out=root / "data", turns=2500, eval_turns=300, seed=11, prompt_tokens=180, tools=14
+        )
+    )
+    build_student(
+        StudentSettings(data=root / "data", out=root / "student", pretrain_steps=420, vocab=1024)
+    )
+    return root / "data", root / "student"
+
+
+@pytest.fixture(scope="session")
 def tokenizer(raw_student):
     from transformers import AutoTokenizer
 

@@ -65,14 +65,10 @@ def test_shared_prefix_leaves_each_prompt_a_token_of_its_own():
 
 
 @pytest.fixture(scope="module")
-def taught(corpus, tmp_path_factory):
+def taught(learnable):
     """The tiny student, briefly pre-trained (a fixed number of steps, so the same student on any
-    machine): it names tools, often within 20 tokens."""
-    from gbray.student import StudentSettings, build_student
-
-    out = tmp_path_factory.mktemp("taught")
-    build_student(StudentSettings(data=corpus, out=out, pretrain_steps=330, vocab=600))
-    return out
+    machine), and its corpus: it names tools, often within 20 tokens."""
+    return learnable
 
 
 def divergence(a, b) -> int:
@@ -115,11 +111,12 @@ def paper_from(corpus, turns):
     return paper_of(evaluation, turns)[0]
 
 
-def test_the_fast_exam_names_the_same_tool_as_plain_generate_on_the_tiny_student(taught, corpus):
+def test_the_fast_exam_names_the_same_tool_as_plain_generate_on_the_tiny_student(taught):
     from gbray.examiner import Examiner
 
-    examiner = Examiner(str(taught), None, "float32", 2, "cpu")
-    fast, plain, tied = check_exact(examiner, paper_from(corpus, 60))
+    data, student = taught
+    examiner = Examiner(str(student), None, "float32", 2, "cpu")
+    fast, plain, tied = check_exact(examiner, paper_from(data, 60))
     named = sum(a.tool is not None for a in plain)
     assert named >= 30, named  # the case that matters: answers that name tools
     # Ending at the tool saved tokens, and only where a tool was named.
@@ -146,12 +143,13 @@ def test_the_fast_exam_matches_plain_generate_on_a_random_weight_qwen2(raw_stude
     assert set(range(24)) - set(same) <= tied
 
 
-def test_the_full_answer_mode_generates_to_the_budget(taught, corpus):
+def test_the_full_answer_mode_generates_to_the_budget(taught):
     from gbray.examiner import Examiner
     from gbray.settings import ExamMode, Recipe
 
-    examiner = Examiner(str(taught), None, "float32", 2, "cpu")
-    paper = paper_from(corpus, 16)
+    data, student = taught
+    examiner = Examiner(str(student), None, "float32", 2, "cpu")
+    paper = paper_from(data, 16)
     recipe = Recipe(exam_full_answers=True, exam_batch=8, max_len=768)
     full = examiner.exam(paper, 320, 768, ExamMode.of(recipe))
     short = examiner.exam(paper, 320, 768, ExamMode.of(Recipe(exam_batch=8, max_len=768)))

@@ -1,7 +1,8 @@
-"""A whole round on real Ray, on a corpus the defaults never saw (other tools, other wording,
-other lengths), with a briefly pre-trained tiny student. Slow: about four minutes."""
+"""A whole round on real Ray, on a corpus of other tools and lengths than the defaults, with a
+briefly pre-trained tiny student. Slow: about four minutes."""
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -14,28 +15,15 @@ BUDGET_MINUTES = 2.0
 
 
 @pytest.fixture(scope="module")
-def unseen(tmp_path_factory):
-    from gbray.data.synth import SynthSettings, write_corpus
-    from gbray.student import StudentSettings, build_student
-
+def unseen(learnable, tmp_path_factory):
+    """The shared learnable corpus (copied: a bad line of each kind is added, counted and never
+    fatal) and its student."""
+    data, student = learnable
     root = tmp_path_factory.mktemp("unseen")
-    write_corpus(
-        SynthSettings(
-            out=root / "data",
-            turns=2500,
-            eval_turns=300,
-            seed=11,
-            prompt_tokens=180,
-            tools=14,
-            wording="alt",
-        )
-    )
-    # A bad line of each kind: counted, never fatal.
+    shutil.copytree(data, root / "data")
     with open(root / "data" / "train.jsonl", "a") as f:
         f.write('not json at all\n{"job": "x", "messages": []}\n')
-    build_student(
-        StudentSettings(data=root / "data", out=root / "student", pretrain_seconds=50, vocab=1024)
-    )
+    (root / "student").symlink_to(student)
     return root
 
 

@@ -16,22 +16,10 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def night(tmp_path_factory):
-    """A corpus a tiny student learns well in minutes (14 tools, short pages), and that student,
-    briefly pre-trained: shares must learn something for their merge to be compared with them."""
-    from gbray.data.synth import SynthSettings, write_corpus
-    from gbray.student import StudentSettings, build_student
-
-    root = tmp_path_factory.mktemp("shares-night")
-    write_corpus(
-        SynthSettings(
-            out=root / "data", turns=2500, eval_turns=200, seed=11, prompt_tokens=180, tools=14
-        )
-    )
-    build_student(
-        StudentSettings(data=root / "data", out=root / "student", pretrain_seconds=50, vocab=1024)
-    )
-    return root / "data", root / "student"
+def night(learnable):
+    """A corpus a tiny student learns well in minutes and that student, briefly pre-trained:
+    shares must learn something for their merge to be compared with them."""
+    return learnable
 
 
 def cluster(*kinds, head_cpus=1):

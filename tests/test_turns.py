@@ -65,3 +65,21 @@ def test_folder_errors_say_what_is_wrong(tmp_path):
     (tmp_path / "eval.jsonl").write_text(good() + "\n")
     with pytest.raises(DataError, match="no usable turns"):
         index_folder(tmp_path)
+
+
+def test_a_corpus_in_the_other_wording_reads_as_well_as_the_default(tmp_path):
+    """Nothing in reading turns depends on the default catalogue: invented tools, other phrasing."""
+    from gbray.data.synth import SynthSettings, write_corpus
+
+    tools = {}
+    for wording in ("default", "alt"):
+        write_corpus(
+            SynthSettings(out=tmp_path / wording, turns=300, eval_turns=40, seed=11, tools=14,
+                          prompt_tokens=180, wording=wording)
+        )  # fmt: skip
+        train, evaluation = index_folder(tmp_path / wording)
+        assert train.bad.total == evaluation.bad.total == 0
+        turns = train.read(list(range(len(train))))
+        assert all(t["tool"] in t["system"] for t in turns)
+        tools[wording] = {t["tool"] for t in turns}
+    assert len(tools["alt"]) >= 10 and not tools["alt"] & tools["default"]
