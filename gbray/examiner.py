@@ -14,7 +14,6 @@ such near-ties are reported, not hidden.
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import time
@@ -23,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria
+from transformers import LogitsProcessor, LogitsProcessorList, StaticCache, StoppingCriteria
 
 from gbray.data.fit import fit_prompt
 from gbray.data.turns import tool_of_answer
@@ -165,6 +164,16 @@ class Examiner:
         ids = torch.tensor([prefix], device=self.device)
         return self.model(input_ids=ids, use_cache=True).cache
 
+    def seeded_cache(self, prefix_cache, rows: int, length: int) -> StaticCache:
+        """A cache of `length` positions for `rows` prompts, each row holding the shared prefix.
+        Pre-allocated, so each step writes its token in place: a DynamicCache copies every
+        layer's whole cache at each step, and a decode step took 0.44 s with it against 0.33 s
+        with this (16 rows of 2,900 tokens on the 0.5B shape, the same tokens)."""
+        cache = StaticCache(config=self.model.config, max_cache_len=length)
+        for layer, held in zip(cache.layers, prefix_cache.layers, strict=True):
+            layer.update(held.keys.expand(rows, -1, -1, -1), held.values.expand(rows, -1, -1, -1))
+        return cache
+
     @torch.no_grad()
     def answer(
         self, prompts: list[list[int]], budget: int, mode: ExamMode, prefix=None
@@ -182,9 +191,7 @@ class Examiner:
         margins = _Margins()
         kwargs = {}
         if prefix:
-            cache = copy.deepcopy(prefix[1])
-            cache.batch_repeat_interleave(len(prompts))
-            kwargs["cache"] = cache
+            kwargs["cache"] = self.seeded_cache(prefix[1], len(prompts), start + budget)
         out = self.model.generate(
             input_ids=torch.tensor(ids, device=self.device),
             attention_mask=torch.tensor(mask, device=self.device),
