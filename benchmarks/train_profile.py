@@ -26,25 +26,16 @@ import train_speed  # noqa: E402  (the same student and turns)
 def profile_step(args, model_dir: Path, dropout: float) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    from gbray.trainer import Plan, Trainer, TrainState, make_scheduler
     from gbray.tuning import SavedForBackward
 
     recipe = dataclasses.replace(train_speed.recipe_for(args, "gbray"), lora_dropout=dropout)
-    trainer = Trainer(str(model_dir), None, recipe, args.work / f"out-profile-{dropout}")
-    examples = train_speed.turns(args, trainer.model.get_input_embeddings().num_embeddings, 1)
-    choices = trainer.configure(len(examples[0].input_ids))
-    state = TrainState()
-    scheduler = make_scheduler(trainer.optimizer, Plan(total=1000, warmup=0), recipe, done=0)
-
-    def step():
-        trainer.micro_step(examples, state)
-        trainer.optimizer_step(state, scheduler)
-
+    trainer, choices, step = train_speed.gbray_step(
+        args, recipe, model_dir, args.work / f"out-profile-{dropout}"
+    )
     step()  # warm-up
     saved = SavedForBackward(trainer.model)
     with saved:
-        trainer.micro_step(examples, state)
-    trainer.optimizer_step(state, scheduler)
+        step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         started = time.perf_counter()
         step()

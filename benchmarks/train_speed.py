@@ -84,11 +84,12 @@ def recipe_for(args, variant: str):
     )  # fmt: skip
 
 
-def time_gbray(args, variant: str, model_dir: Path) -> dict:
+def gbray_step(args, recipe, model_dir: Path, out: Path):
+    """gbray's trainer on one turn, configured as it configures itself: (trainer, its choices,
+    a function that runs one micro-step and one optimizer step)."""
     from gbray.trainer import Plan, Trainer, TrainState, make_scheduler
 
-    recipe = recipe_for(args, variant)
-    trainer = Trainer(str(model_dir), None, recipe, args.work / f"out-{variant}")
+    trainer = Trainer(str(model_dir), None, recipe, out)
     examples = turns(args, trainer.model.get_input_embeddings().num_embeddings, 1)
     choices = trainer.configure(len(examples[0].input_ids))
     state = TrainState()
@@ -98,6 +99,13 @@ def time_gbray(args, variant: str, model_dir: Path) -> dict:
         trainer.micro_step(examples, state)
         trainer.optimizer_step(state, scheduler)
 
+    return trainer, choices, step
+
+
+def time_gbray(args, variant: str, model_dir: Path) -> dict:
+    _, choices, step = gbray_step(
+        args, recipe_for(args, variant), model_dir, args.work / f"out-{variant}"
+    )
     return {**timed(args, step), "choices": choices.as_dict()}
 
 
