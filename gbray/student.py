@@ -93,6 +93,8 @@ class StudentSettings:
             raise ValueError(f"--pretrain-task must be one of {sorted(PRETRAIN_TASKS)}")
         if self.pretrain_seconds < 0:
             raise ValueError("--pretrain-seconds must be >= 0")
+        if self.pretrain_steps < 0:
+            raise ValueError("pretrain_steps must be >= 0")
 
 
 def _sample_texts(index: TurnIndex, n: int, rng: random.Random) -> list[dict]:
@@ -224,7 +226,6 @@ def pretrain(model, tokenizer, turns: list[dict], settings: StudentSettings) -> 
     while spent() < 1:
         rng.shuffle(batches)
         for batch in batches:
-            elapsed = time.monotonic() - start
             if spent() >= 1:
                 break
             # A short warm-up, then linear decay over the budget.
@@ -242,11 +243,11 @@ def pretrain(model, tokenizer, turns: list[dict], settings: StudentSettings) -> 
             if time.monotonic() - last_note > 15:
                 last_note = time.monotonic()
                 log.info(
-                    "pre-training: step %d, loss %.3f, %.0f s of %.0f s",
+                    "pre-training: step %d, loss %.3f, %.0f%% of the budget, %.0f s in",
                     steps,
                     sum(losses[-20:]) / len(losses[-20:]),
-                    elapsed,
-                    settings.pretrain_seconds,
+                    100 * spent(),
+                    last_note - start,
                 )
     model.eval()
     tail = losses[-20:]

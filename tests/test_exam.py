@@ -64,13 +64,6 @@ def test_shared_prefix_leaves_each_prompt_a_token_of_its_own():
 # -- fast and exact -----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def taught(learnable):
-    """The tiny student, briefly pre-trained (a fixed number of steps, so the same student on any
-    machine), and its corpus: it names tools, often within 20 tokens."""
-    return learnable
-
-
 def divergence(a, b) -> int:
     return next(
         (k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
@@ -111,10 +104,10 @@ def paper_from(corpus, turns):
     return paper_of(evaluation, turns)[0]
 
 
-def test_the_fast_exam_names_the_same_tool_as_plain_generate_on_the_tiny_student(taught):
+def test_the_fast_exam_names_the_same_tool_as_plain_generate_on_the_tiny_student(learnable):
     from gbray.examiner import Examiner
 
-    data, student = taught
+    data, student = learnable
     examiner = Examiner(str(student), None, "float32", 2, "cpu")
     fast, plain, tied = check_exact(examiner, paper_from(data, 60))
     named = sum(a.tool is not None for a in plain)
@@ -143,11 +136,11 @@ def test_the_fast_exam_matches_plain_generate_on_a_random_weight_qwen2(raw_stude
     assert set(range(24)) - set(same) <= tied
 
 
-def test_the_full_answer_mode_generates_to_the_budget(taught):
+def test_the_full_answer_mode_generates_to_the_budget(learnable):
     from gbray.examiner import Examiner
     from gbray.settings import ExamMode, Recipe
 
-    data, student = taught
+    data, student = learnable
     examiner = Examiner(str(student), None, "float32", 2, "cpu")
     paper = paper_from(data, 16)
     recipe = Recipe(exam_full_answers=True, exam_batch=8, max_len=768)

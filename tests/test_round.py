@@ -15,11 +15,11 @@ BUDGET_MINUTES = 2.0
 
 
 @pytest.fixture(scope="module")
-def unseen(learnable, tmp_path_factory):
+def with_bad_lines(learnable, tmp_path_factory):
     """The shared learnable corpus (copied: a bad line of each kind is added, counted and never
     fatal) and its student."""
     data, student = learnable
-    root = tmp_path_factory.mktemp("unseen")
+    root = tmp_path_factory.mktemp("with-bad-lines")
     shutil.copytree(data, root / "data")
     with open(root / "data" / "train.jsonl", "a") as f:
         f.write('not json at all\n{"job": "x", "messages": []}\n')
@@ -28,7 +28,7 @@ def unseen(learnable, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def finished_round(ray_local, unseen):
+def finished_round(ray_local, with_bad_lines):
     from gbray.round import run_round
     from gbray.settings import Recipe, RoundSettings
 
@@ -48,10 +48,15 @@ def finished_round(ray_local, unseen):
         progress_every_minutes=0.5,
         gradient_checkpointing=False,
     )
-    out = unseen / "round"
+    out = with_bad_lines / "round"
     started = time.monotonic()
     record = run_round(
-        RoundSettings(data=unseen / "data", model=str(unseen / "student"), out=out, recipe=recipe)
+        RoundSettings(
+            data=with_bad_lines / "data",
+            model=str(with_bad_lines / "student"),
+            out=out,
+            recipe=recipe,
+        )
     )
     return record, out, time.monotonic() - started
 
@@ -92,7 +97,7 @@ def test_round_json_is_complete(finished_round):
     assert json.loads((out / "recipe.json").read_text())["lr"] == 3e-3
 
 
-def test_result_beats_baseline_on_an_unseen_corpus(finished_round):
+def test_result_beats_baseline_on_a_corpus_of_other_tools(finished_round):
     record, _, _ = finished_round
     assert record["beat"], (record["baseline"]["agreement_pct"], record["result"]["agreement_pct"])
     assert record["result"]["agreement_pct"] > record["baseline"]["agreement_pct"]

@@ -15,13 +15,6 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def night(learnable):
-    """A corpus a tiny student learns well in minutes and that student, briefly pre-trained:
-    shares must learn something for their merge to be compared with them."""
-    return learnable
-
-
 def cluster(*kinds, head_cpus=1):
     """A simulated cluster: a head and one node per kind, 1 CPU each, each with its resource."""
     import ray
@@ -54,8 +47,8 @@ def quick(**kw):
     return Recipe(**base)
 
 
-def test_a_two_share_round_from_one_command_on_three_nodes(night, tmp_path):
-    corpus, student = night
+def test_a_two_share_round_from_one_command_on_three_nodes(learnable, tmp_path):
+    corpus, student = learnable
     c, _ = cluster("laptop", "desktop")
     out = tmp_path / "night"
     try:
@@ -97,10 +90,10 @@ def test_a_two_share_round_from_one_command_on_three_nodes(night, tmp_path):
     )
 
 
-def test_shares_of_unequal_speed_get_unequal_parts_and_end_together(night, tmp_path):
+def test_shares_of_unequal_speed_get_unequal_parts_and_end_together(learnable, tmp_path):
     import ray
 
-    corpus, student = night
+    corpus, student = learnable
     from gbray.round import run_round
     from gbray.settings import RoundSettings
 
@@ -130,10 +123,10 @@ def test_shares_of_unequal_speed_get_unequal_parts_and_end_together(night, tmp_p
     assert abs(minutes[0] - minutes[1]) <= 0.2 + 0.1, minutes  # one validation interval
 
 
-def test_a_node_lost_mid_round_leaves_its_share_out(night, tmp_path):
+def test_a_node_lost_mid_round_leaves_its_share_out(learnable, tmp_path):
     import ray
 
-    corpus, student = night
+    corpus, student = learnable
     from gbray.round import run_round
     from gbray.settings import RoundSettings
 
@@ -267,7 +260,7 @@ def test_the_fields_merge_syntax_merges_trains_nothing_and_examines_once(
     assert (tmp_path / "r" / "merged" / "adapter_config.json").is_file()
 
 
-def test_an_exam_whose_machine_goes_away_is_asked_again_on_a_live_one(night, tmp_path):
+def test_an_exam_whose_machine_goes_away_is_asked_again_on_a_live_one(learnable, tmp_path):
     """The failure behind a lost node's round: the result exam scheduled onto a machine that is
     gone but not yet known dead. The examiner starts again elsewhere; the exam still answers."""
     import ray
@@ -277,7 +270,7 @@ def test_an_exam_whose_machine_goes_away_is_asked_again_on_a_live_one(night, tmp
     from gbray.settings import ExamMode
     from gbray.work import paper_of
 
-    corpus, student = night
+    corpus, student = learnable
     _, evaluation = index_folder(corpus)
     paper, _ = paper_of(evaluation, 200)
     c, nodes = cluster("laptop", "desktop", head_cpus=0)
