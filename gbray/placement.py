@@ -98,14 +98,16 @@ class ExamLaunch:
 
 
 def launch_trainer(ray, model: str, start: str | None, recipe: Recipe, out: Path, log_path: Path,
-                   hub, start_name: str, run_id: str, options: dict | None = None):  # fmt: skip
+                   hub, start_name: str, run_id: str, options: dict | None = None,
+                   averaging: tuple | None = None):  # fmt: skip
     from gbray.actors import TrainerActor
 
     gpus = 1 if recipe.device == "cuda" else 0
     out.mkdir(parents=True, exist_ok=True)
     return TrainerActor.options(num_cpus=recipe.threads, num_gpus=gpus, **(options or {})).remote(
-        model, start, as_record(recipe), str(out), str(log_path), hub.actor, start_name, run_id
-    )
+        model, start, as_record(recipe), str(out), str(log_path), hub.actor, start_name, run_id,
+        averaging,
+    )  # fmt: skip
 
 
 def merge_task(folders: list[str], out: str, method: str, turns: list[int]) -> dict:

@@ -12,7 +12,7 @@ from gbray.results import ExamResult, TrainSummary
 TRAINING_FIELDS = (
     "steps", "planned_steps", "replanned_from", "best_val_loss", "best_step", "checks",
     "turns_trained", "turn_passes", "epochs_done", "why", "mean_loss", "skipped_nan", "shortened",
-    "turns_per_hour", "resumed_from_step", "choices",
+    "turns_per_hour", "resumed_from_step", "choices", "averaged",
 )  # fmt: skip
 
 
@@ -36,6 +36,7 @@ def shares_record(trained) -> dict:
         "share_split": trained.split,
         "share_rounds": [s.hub_round for s in trained.shares if s.hub_round],
         "packed": trained.packed_note,
+        "share_average_seconds": trained.average_every_seconds,
         "share_reports": [
             {
                 "share": s.index,

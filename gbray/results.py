@@ -81,6 +81,7 @@ class TrainSummary:
     resumed_from_step: int | None = None
     pid: int | None = None
     choices: dict | None = None  # autocast, checkpointing, threads, and why (tuning.Choices)
+    averaged: int = 0  # times its adapter was averaged with other shares' while training
 
 
 class ExamStopped(Exception):

@@ -33,7 +33,7 @@ from gbray.placement import (
 )
 from gbray.platform import process_record
 from gbray.results import ExamResult
-from gbray.settings import RoundSettings, as_record, locate_model
+from gbray.settings import RoundSettings, as_record, average_every_seconds, locate_model
 from gbray.shares import Share, ShareNight, Trained, train_shares
 from gbray.work import Work, get_work
 
@@ -353,6 +353,7 @@ class Round:
             student_id=self.student_id,
             run_id=self.record["round"],
             grace_seconds=s.share_grace,
+            average_every_seconds=average_every_seconds(s),
             options=list(s.share_options),
         )
         trained = train_shares(night, s.shares, work.train, work.val, self.hub, self.note)

@@ -13,6 +13,7 @@ merged. One share is the plain round: no placement group, no probe.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ class Trained:
     shares: list[Share]
     packed_note: str | None = None
     split: list[int] = field(default_factory=list)
+    average_every_seconds: float = 0.0
 
     @property
     def survivors(self) -> list[Share]:
@@ -62,6 +64,47 @@ class Trained:
     @property
     def turns_trained(self) -> int:
         return sum(s.summary.turns_trained for s in self.survivors if s.summary)
+
+
+class Averager:
+    """Where shares average their adapters every few minutes while they train (local SGD): a
+    share hands in its weights and gets back the turn-weighted average of the latest weights of
+    every share, its own included. Nobody waits for anybody: machines differ by 100x, and one
+    optimizer step of a laptop can take longer than many of a GPU box. Weights not handed in again
+    within `fresh_seconds` (a share whose machine is gone) no longer count, nor do those of a
+    share that finished."""
+
+    def __init__(self, fresh_seconds: float, clock: Callable[[], float] = time.monotonic):
+        self.fresh_seconds, self.clock = fresh_seconds, clock
+        self.latest: dict[int, tuple[dict, int, float]] = {}
+        self.lock = threading.Lock()
+
+    def exchange(self, index: int, weights: dict, turns: int) -> tuple[dict, int]:
+        """This share's weights in; the average of every share's latest, and how many counted."""
+        with self.lock:
+            now = self.clock()
+            self.latest[index] = (weights, turns, now)
+            counted = [
+                (w, t) for w, t, at in self.latest.values() if now - at <= self.fresh_seconds
+            ]
+        return average_weights(counted), len(counted)
+
+    def leave(self, index: int) -> None:
+        with self.lock:
+            self.latest.pop(index, None)
+
+
+def average_weights(parts: list[tuple[dict, int]]) -> dict:
+    """Weight for weight, each part weighted by its turns: between syncs the shares move little
+    from one common start, so this is close to the exact average of their updates."""
+    total = sum(max(1, turns) for _, turns in parts)
+    first = parts[0][0]
+    return {
+        key: sum(w[key].float() * (max(1, turns) / total) for w, turns in parts).to(
+            first[key].dtype
+        )
+        for key in first
+    }
 
 
 def split_by_speed(turns: int, speeds: list[float]) -> list[int]:
@@ -97,6 +140,7 @@ class ShareNight:
     student_id: str
     run_id: str = ""
     grace_seconds: float = 120.0
+    average_every_seconds: float = 0.0  # 0: the shares meet only in the merge
     options: list[dict] = field(default_factory=list)  # per share: extra actor options (tests)
 
 
@@ -139,6 +183,7 @@ def train_shares(
         )
     nodes = _bundle_nodes(ray, pg)
     trained = Trained([Share(i, node=nodes[i]) for i in range(n)])
+    trained.average_every_seconds = night.average_every_seconds
     alive_nodes = sum(1 for x in ray.nodes() if x.get("Alive"))
     if len(set(nodes)) < n:
         trained.packed_note = (
@@ -147,6 +192,7 @@ def train_shares(
         )
         what(trained.packed_note)
     hubs, trainers = [], []
+    averager = _start_averager(ray, night)
     try:
         for share in trained.shares:
             share_hub = night.new_hub()
@@ -170,6 +216,7 @@ def train_shares(
                     night.start_name,
                     f"{night.run_id}-share-{share.index}",
                     options,
+                    (averager, share.index, night.average_every_seconds) if averager else None,
                 )  # fmt: skip
             )
             hubs.append(share_hub)
@@ -195,10 +242,23 @@ def train_shares(
         for share, share_hub in zip(trained.shares, hubs, strict=True):
             _end_share(share, share_hub)
     finally:
-        for trainer in trainers:
-            ray.kill(trainer, no_restart=True)
+        for actor in trainers + ([averager] if averager else []):
+            ray.kill(actor, no_restart=True)
         remove_placement_group(pg)
     return trained
+
+
+def _start_averager(ray, night: ShareNight):
+    """The averager lives on the driver's machine: a round that lost it has lost its driver."""
+    if night.average_every_seconds <= 0:
+        return None
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from gbray.actors import AveragerActor
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    fresh = 3 * night.average_every_seconds + night.grace_seconds
+    return AveragerActor.options(scheduling_strategy=here).remote(fresh)
 
 
 def _wait_all(ray, refs, hub, what: str) -> list:

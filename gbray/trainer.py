@@ -34,6 +34,20 @@ def _nothing(*_args) -> None:
     return None
 
 
+class NoSync:
+    """A trainer alone: nothing to average with. Shares that train together get one that
+    averages their adapters every few minutes (`gbray.shares.Averager`, through its actor)."""
+
+    def due(self, now: float) -> bool:
+        return False
+
+    def exchange(self, weights: dict, turns: int) -> tuple[dict, int]:
+        return weights, 1
+
+    def leave(self) -> None:
+        return None
+
+
 @dataclass
 class Plan:
     """The schedule's shape: re-planned once the real speed is known, so warm-up and cosine fit
@@ -96,9 +110,19 @@ class Timing:
     speed_step: int = 1  # the step speed is measured from
     last_val: float = 0.0
     last_save: float = 0.0
+    val_seconds: float | None = None  # how long the last validation took
 
     def __post_init__(self):
         self.speed_from = self.last_val = self.last_save = self.started
+
+    def final_validation_reserve(self, now: float, turn_passes: int, val_turns: int) -> float:
+        """Seconds kept back for the validation that ends training, so the round ends inside its
+        hours: the last validation's time, else a forward pass per held-out turn estimated at a
+        third of a training pass."""
+        if self.val_seconds is not None:
+            return self.val_seconds
+        per_pass = (now - self.started) / max(1, turn_passes)
+        return per_pass * val_turns / 3
 
 
 @dataclass
@@ -137,8 +161,11 @@ class Trainer:
         pause_per_turn: float = 0.0,
         run_id: str | None = None,
         native_bf16: Callable[[], tuple[bool, str]] = native_bfloat16,
+        sync=None,
     ):
         self.recipe, self.out = recipe, Path(out)
+        self.sync = sync or NoSync()
+        self.averaged = 0
         self.on_saved = on_saved
         self.start = start_name
         self.resumed: dict | None = None
@@ -247,6 +274,19 @@ class Trainer:
         state.pending_turns = 0
         state.steps += 1
         scheduler.step()
+
+    def average_with_other_shares(self, turns: int) -> None:
+        """Local SGD between shares: the adapter's weights become the turn-weighted average of
+        every share's, so each carries on from what all have learned (one average at the end
+        loses most where the shares are far from converged). Optimizer moments stay local."""
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+        mine = {k: v.detach().cpu() for k, v in get_peft_model_state_dict(self.model).items()}
+        averaged, members = self.sync.exchange(mine, turns)
+        if members > 1:
+            set_peft_model_state_dict(self.model, averaged)
+            self.averaged += 1
+            self.report(f"averaged with {members - 1} other share(s) (average {self.averaged})")
 
     @torch.no_grad()
     def validation_loss(self, examples: list[Example]) -> float:
@@ -377,8 +417,10 @@ class Trainer:
         due_by_steps = recipe.val_every_steps and state.steps % recipe.val_every_steps == 0
         if not (due_by_time or due_by_steps):
             return False
+        began = self.clock()
         self.validate(val, state)
         timing.last_val = self.clock()
+        timing.val_seconds = timing.last_val - began
         if state.checks_without_gain >= recipe.patience:
             state.why = "patience"
         return True
@@ -481,6 +523,8 @@ class Trainer:
                 state.seen.update(chunk)
                 if state.micro % recipe.accum == 0:
                     self.optimizer_step(state, scheduler)
+                    if self.sync.due(self.clock()):
+                        self.average_with_other_shares(n)
                     if speed_passes == -1:
                         # The first step carries start-up costs; speed is measured from its end.
                         timing.speed_from, speed_passes = self.clock(), state.turn_passes
@@ -507,12 +551,14 @@ class Trainer:
                         self.progress_line(state, plan, passes_total, epoch + 1, started, deadline)
                     )
                 if state.why == "finished":
-                    if now >= deadline:
+                    reserve = timing.final_validation_reserve(now, state.turn_passes, len(val))
+                    if now >= deadline - reserve:
                         state.why = "time"
                     elif self.should_stop():
                         state.why = "stopped"
                 if state.why != "finished":
                     break
+        self.sync.leave()
         if state.why == "stopped":
             # A stop is a stop: nothing more is trained, validated or saved.
             self.report(f"stopped by the owner after {state.steps} steps")
@@ -553,6 +599,7 @@ class Trainer:
             else None,
             resumed_from_step=self.resumed["step"] if self.resumed else None,
             choices=self.choices.as_dict(),
+            averaged=self.averaged,
         )
 
 

@@ -80,11 +80,12 @@ def test_a_two_share_round_from_one_command_on_three_nodes(learnable, tmp_path):
     shares = [r["exam"]["agreement_pct"] for r in reports]
     merged = record["result"]["agreement_pct"]
     baseline = record["baseline"]["agreement_pct"]
-    # The merge keeps most of what the shares learned: far above the baseline, within a few turns
-    # of its shares. It is not always as good as they are (three runs: 94 vs 94/94, 91 vs 93/88,
-    # 91 vs 94/93), so "at least as well as either share" is not asserted: it does not hold.
+    # The shares average every few seconds while they train (a fortieth of the budget), so the
+    # merge has learned from both halves and scores at least as well as either share alone.
+    assert all(r["training"]["averaged"] >= 5 for r in reports), reports
+    assert record["share_average_seconds"] == pytest.approx(0.05 * 3600 / 40)
     assert merged > baseline + 20, (merged, shares, baseline)
-    assert merged >= min(shares) - 6, (merged, shares, baseline)
+    assert merged >= max(shares), (merged, shares, baseline)
     assert "baseline exam beside the shares" in (out / "progress.log").read_text() or any(
         "beside the shares" in line for line in run.stderr.splitlines()
     )

