@@ -421,7 +421,8 @@ class Trainer:
         self.validate(val, state)
         timing.last_val = self.clock()
         timing.val_seconds = timing.last_val - began
-        if state.checks_without_gain >= recipe.patience:
+        spent = 1 - (timing.deadline - self.clock()) / (recipe.hours * 3600)
+        if state.checks_without_gain >= recipe.patience and spent >= recipe.patience_after:
             state.why = "patience"
         return True
 

@@ -116,3 +116,19 @@ def test_short_budget_stops_on_time_and_still_writes_adapters(raw_student, turns
         math.isclose(summary.final_lr, 1e-3 * 0.1, rel_tol=1e-6)
         or summary.steps >= summary.planned_steps
     )
+
+
+@pytest.mark.parametrize("after, why", [(0.0, "patience"), (0.5, "finished")])
+def test_patience_stops_training_only_once_its_share_of_the_hours_is_spent(
+    raw_student, turns, tmp_path, after, why
+):
+    # Every check after the first is "without gain" (a gain must beat the best by 1e9), so one
+    # such check is patience enough; an hour's budget is far from half spent in these seconds.
+    trainer = Trainer(
+        str(raw_student), None,
+        recipe(accum=1, val_every_steps=1, patience=1, min_gain=1e9, patience_after=after),
+        tmp_path,
+    )  # fmt: skip
+    summary = trainer.train(turns[:12], turns[30:34])
+    assert summary.why == why
+    assert summary.steps == (2 if why == "patience" else 6)
