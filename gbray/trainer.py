@@ -286,7 +286,10 @@ class Trainer:
         if members > 1:
             set_peft_model_state_dict(self.model, averaged)
             self.averaged += 1
-            self.report(f"averaged with {members - 1} other share(s) (average {self.averaged})")
+            if self.averaged in (1, 10) or self.averaged % 100 == 0:  # a line now and then
+                self.report(
+                    f"averaged with {members - 1} other share(s) ({self.averaged} averages so far)"
+                )
 
     @torch.no_grad()
     def validation_loss(self, examples: list[Example]) -> float:
