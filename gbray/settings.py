@@ -302,9 +302,7 @@ class RoundSettings:
 def average_every_seconds(settings: RoundSettings) -> float:
     """How often shares average while they train: the setting, else a fortieth of the budget,
     at most two minutes (a share averages only after an optimizer step, so a slow machine
-    averages once a step). Measured on a 3-minute 2-share round on a corpus the student had
-    never seen: averaging every 15 s left the merge between its shares (57 vs 62/54), every 3 s
-    made them one model (60 vs 60/60); without it the merge fell below both (48 vs 66/57)."""
+    averages once a step). Figures, and how noisy they are: the README's shares night."""
     if settings.share_average_minutes is not None:
         return settings.share_average_minutes * 60
     return min(120.0, settings.recipe.hours * 3600 / 40)
