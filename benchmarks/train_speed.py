@@ -6,8 +6,8 @@ fixed recipe, on the same turns with the same threads, in one run.
 
 Variants, each in its own process (so each peak RSS is its own):
   gbray   gbray's trainer as it configures itself (autocast and checkpointing measured)
-  plain   the plain loop: `model(input_ids, labels=...)`, backward, AdamW; the same LoRA, float32,
-          and the checkpointing gbray chose
+  plain   the plain loop: `model(input_ids, labels=...)`, backward, AdamW; the same LoRA through
+          PEFT as it comes (its own dropout modules), float32, and the checkpointing gbray chose
   trl     TRL's SFTTrainer with its own defaults, the same LoRA, completion-only loss (needs
           `pip install trl`; left out with the reason when it is missing)
   fixed   gbray's trainer with SPEC §5's fixed recipe: float32, checkpointing on
@@ -111,12 +111,19 @@ def time_gbray(args, variant: str, model_dir: Path) -> dict:
 
 def time_plain(args, model_dir: Path, checkpointing: bool) -> dict:
     import torch
+    from peft import LoraConfig, get_peft_model
 
-    from gbray.model import load_student
+    from gbray.model import SCOPES, load_base, lora_targets
     from gbray.platform import set_threads
 
     set_threads(args.threads)
-    model, _ = load_student(str(model_dir), None, "float32", trainable=True, lora=LORA)
+    base, _ = load_base(str(model_dir), "float32")
+    # PEFT as it comes (its own dropout modules), not gbray's wrap_lora
+    lora = LoraConfig(
+        r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"], bias="none",
+        target_modules=lora_targets(base, SCOPES[LORA["scope"]]), task_type="CAUSAL_LM",
+    )  # fmt: skip
+    model = get_peft_model(base, lora)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()

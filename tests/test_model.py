@@ -95,3 +95,119 @@ def test_head_only_loss_equals_the_models_own_loss(lora_student):
 def test_wrap_lora_refuses_a_model_without_targets():
     with pytest.raises(ValueError, match="no LoRA targets"):
         wrap_lora(nn.Sequential(nn.Linear(2, 2)), "all", 2, 4, 0.0)
+
+
+# LoRA's input dropout, folded into the A matrix (gbray.model.DropoutLinear)
+
+
+def _small_qwen(dropout: float, fold: bool = True):
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=300,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    base = Qwen2ForCausalLM(config)
+    if fold:
+        model = wrap_lora(base, "all", 8, 16, dropout)
+    else:  # PEFT as it comes, its own dropout modules
+        targets = lora_targets(
+            base, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+        )
+        lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=dropout, target_modules=targets)
+        model = get_peft_model(base, lora)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # B starts at zero, where dropout could not change any output
+            torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(len(name)))
+    return model.train()
+
+
+def _grads(model, ids, seed: int) -> dict:
+    model.zero_grad()
+    torch.manual_seed(seed)
+    model(input_ids=ids, labels=ids).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_the_folded_dropout_is_dropout_with_a_mask_it_can_draw_again():
+    from gbray.model import _DropoutThenLinear, _kept
+
+    x = torch.randn(2, 50, 64, requires_grad=True)
+    w = torch.randn(8, 64, requires_grad=True)
+    g = torch.randn(2, 50, 8)
+    (_DropoutThenLinear.apply(x, w, 0.3, 1234, torch.float32) * g).sum().backward()
+    folded = (x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+    keep, scale = _kept(x.detach(), 0.3, 1234)
+    assert 0.27 < 1 - keep.float().mean() < 0.33 and scale == pytest.approx(1 / 0.7, rel=1e-4)
+    assert torch.equal(keep, _kept(x.detach(), 0.3, 1234)[0])
+    assert not torch.equal(keep, _kept(x.detach(), 0.3, 1235)[0])
+    (nn.functional.linear(x * keep * scale, w) * g).sum().backward()
+    assert torch.allclose(folded[0], x.grad, atol=1e-6)
+    assert torch.allclose(folded[1], w.grad, atol=1e-5)
+
+
+def test_the_folded_dropout_keeps_no_more_for_backward_than_no_dropout():
+    from gbray.tuning import SavedForBackward
+
+    ids = torch.randint(0, 300, (1, 128))
+    saved = {}
+    for name, dropout, fold in (("peft", 0.05, False), ("folded", 0.05, True), ("none", 0.0, True)):
+        model = _small_qwen(dropout, fold)
+        with SavedForBackward(model) as measure:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        saved[name] = measure.bytes
+    assert saved["folded"] == saved["none"]
+    assert saved["peft"] > 1.3 * saved["folded"], saved
+
+
+def test_the_folded_dropout_drops_in_training_only_and_saves_peft_files(tmp_path):
+    from peft import get_peft_model_state_dict
+
+    ids = torch.randint(0, 300, (1, 64))
+    folded, plain = _small_qwen(0.2), _small_qwen(0.2, fold=False)
+    assert get_peft_model_state_dict(folded).keys() == get_peft_model_state_dict(plain).keys()
+    assert not any(isinstance(m, nn.Dropout) for m in folded.modules())
+    torch.manual_seed(1)
+    first = folded(input_ids=ids).logits
+    second = folded(input_ids=ids).logits
+    assert not torch.allclose(first, second)  # two draws of the mask
+    folded.eval(), plain.eval()
+    with torch.no_grad():
+        assert torch.allclose(folded(input_ids=ids).logits, plain(input_ids=ids).logits, atol=1e-6)
+    folded.save_pretrained(tmp_path)
+    from peft import PeftModel
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    base = Qwen2ForCausalLM(folded.get_base_model().config)
+    loaded = PeftModel.from_pretrained(base, str(tmp_path)).eval()
+    with torch.no_grad():
+        assert torch.allclose(loaded(input_ids=ids).logits, plain(input_ids=ids).logits, atol=1e-6)
+
+
+def test_checkpointing_draws_the_same_folded_masks_again():
+    ids = torch.randint(0, 300, (1, 64))
+    model = _small_qwen(0.3)
+    plain = _grads(model, ids, seed=5)
+    other_draw = _grads(model, ids, seed=6)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+    checkpointed = _grads(model, ids, seed=5)
+    assert plain.keys() == checkpointed.keys() and plain
+    assert all(torch.allclose(plain[n], checkpointed[n], atol=1e-6) for n in plain)
+    assert not all(torch.allclose(plain[n], other_draw[n], atol=1e-6) for n in plain)
+
+
+def test_the_folded_dropout_computes_in_autocasts_dtype():
+    model = _small_qwen(0.1)
+    ids = torch.randint(0, 300, (1, 32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    a = next(m for m in model.modules() if type(m).__name__ == "DropoutLinear")
+    assert a.weight.grad is not None and a.weight.grad.dtype == torch.float32
+    assert torch.isfinite(a.weight.grad).all() and a.weight.grad.abs().sum() > 0
