@@ -99,6 +99,11 @@ class Recipe:
         shortcut=("--bf16", "bfloat16"),
     )
     threads: int = setting(0, "torch threads per actor; 0: the CPUs Ray gave the actor")
+    thread_probe: bool | None = setting(
+        None,
+        "let the trainer run on one thread where a probe shows one faster than the actor's CPUs "
+        "(cores busy with other work); default: on unless --threads is given",
+    )
     gradient_checkpointing: bool | None = setting(
         None,
         "recompute activations (memory stops growing with depth, ~25%% slower); default: only "

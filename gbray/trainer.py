@@ -203,6 +203,7 @@ class Trainer:
             self.choices = choose(
                 self.recipe, self.threads, self.device, self._probe_step, longest, self.native_bf16
             )
+            self.threads = self.choices.threads
             if self.choices.checkpointing:
                 self._checkpoint_activations()
             self.report(self.choices.line())

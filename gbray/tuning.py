@@ -1,6 +1,8 @@
 """How the trainer configures itself on the machine it finds, from measurement.
 
-- Threads: the CPUs its actor holds (oversubscribed threads are catastrophic).
+- Threads: the CPUs its actor holds (oversubscribed threads are catastrophic), or one thread
+  where a probe shows one faster (cores busy with work outside Ray: beside a busy loop on one of
+  two cores, a tiny student's step took 0.53 s on two threads and 0.26 s on one).
 - bfloat16 autocast (float32 weights, bfloat16 compute) only where the CPU has native bfloat16
   (AMX or AVX512-BF16) and a short probe of forward and backward shows it faster; on a GPU only
   when asked (SPEC §5). Without native support bfloat16 was reported 44x slower than float32.
@@ -39,13 +41,14 @@ class Choices:
     checkpointing: bool
     why_precision: str
     why_checkpointing: str
+    why_threads: str = "asked (--threads)"
 
     def line(self) -> str:
         precision = "bfloat16 autocast" if self.autocast else "float32"
         return (
             f"configured: {precision} ({self.why_precision}); checkpointing "
             f"{'on' if self.checkpointing else 'off'} ({self.why_checkpointing}); "
-            f"{self.threads} threads"
+            f"{self.threads} threads ({self.why_threads})"
         )
 
     def as_dict(self) -> dict:
@@ -120,11 +123,36 @@ def choose(
     returns the bytes its forward saved for backward; `longest` is the longest training turn in
     tokens times the batch."""
     probe = max(16, min(PROBE_TOKENS, longest))
+    threads, why_threads = _choose_threads(recipe, device, step_on, probe, threads)
     autocast_on, why_precision = _choose_precision(recipe, device, step_on, probe, native)
     checkpointing, why_ckpt = _choose_checkpointing(
         recipe, device, step_on, probe, longest, autocast_on
     )
-    return Choices(threads, autocast_on, checkpointing, why_precision, why_ckpt)
+    return Choices(threads, autocast_on, checkpointing, why_precision, why_ckpt, why_threads)
+
+
+# One thread must beat the actor's CPUs by this much to be chosen: a probe is a noisy clock.
+ONE_THREAD_MARGIN = 1.2
+
+
+def _choose_threads(recipe, device, step_on, probe, threads) -> tuple[int, str]:
+    """The actor's CPUs, unless one thread runs the probe faster: leaves torch at the choice."""
+    probe_asked = recipe.thread_probe
+    if probe_asked is False or (probe_asked is None and recipe.threads > 0):
+        return threads, "fixed by the recipe (--threads or --no-thread-probe)"
+    if device == "cuda" or threads == 1:
+        return threads, "the CPUs the actor holds"
+    torch.set_num_threads(threads)
+    many = _seconds(lambda: step_on(probe, False, False))
+    torch.set_num_threads(1)
+    one = _seconds(lambda: step_on(probe, False, False))
+    if one * ONE_THREAD_MARGIN < many:
+        return 1, (
+            f"a {probe}-token probe ran {many / one:.1f}x faster on 1 thread than on {threads}: "
+            "the CPUs are busy with other work"
+        )
+    torch.set_num_threads(threads)
+    return threads, "the CPUs the actor holds"
 
 
 def _choose_precision(recipe, device, step_on, probe, native) -> tuple[bool, str]:

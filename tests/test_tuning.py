@@ -114,3 +114,34 @@ def test_autocast_is_chosen_only_when_the_probe_shows_it_faster():
     assert not slower.autocast and "slower" in slower.why_precision
     gpu = choose(recipe(gradient_checkpointing=True), 2, "cuda", step_on(False), 512, native)
     assert not gpu.autocast and "GPU" in gpu.why_precision
+
+
+def test_one_thread_is_chosen_only_when_a_probe_runs_faster_on_it():
+    import time
+
+    import torch
+
+    def step_on(seconds_on_many, seconds_on_one):
+        def step(tokens, autocast, checkpointing):
+            time.sleep(seconds_on_many if torch.get_num_threads() > 1 else seconds_on_one)
+            return 1000
+
+        return step
+
+    before = torch.get_num_threads()
+    auto = recipe(precision="float32", threads=0)
+    try:
+        busy = choose(auto, 2, "cpu", step_on(0.03, 0.01), longest=100)
+        assert busy.threads == 1 and torch.get_num_threads() == 1
+        assert "faster on 1 thread than on 2" in busy.why_threads and "1 threads" in busy.line()
+        idle = choose(auto, 2, "cpu", step_on(0.01, 0.015), longest=100)
+        assert idle.threads == 2 and torch.get_num_threads() == 2
+        assert idle.why_threads == "the CPUs the actor holds"
+        asked = choose(recipe(precision="float32", threads=2), 2, "cpu", step_on(0.03, 0.01),
+                       longest=100)  # fmt: skip
+        assert asked.threads == 2 and asked.why_threads.startswith("fixed by the recipe")
+        off = choose(recipe(precision="float32", threads=0, thread_probe=False), 2, "cpu",
+                     step_on(0.03, 0.01), longest=100)  # fmt: skip
+        assert off.threads == 2 and off.why_threads.startswith("fixed by the recipe")
+    finally:
+        torch.set_num_threads(before)
