@@ -118,12 +118,7 @@ class Round:
         seed = s.recipe.resolve("cpu").seed
         self.ray = ray = start_ray(s.address)
         self.recipe = dataclasses.replace(
-            s.recipe.resolve(device_of(ray, s.recipe)),
-            seed=seed,
-            threads=actor_cpus(ray, s.recipe),
-            thread_probe=s.recipe.threads == 0
-            if s.recipe.thread_probe is None
-            else s.recipe.thread_probe,
+            s.recipe.resolve(device_of(ray, s.recipe)), seed=seed, threads=actor_cpus(ray, s.recipe)
         )
         if s.shares > 1 and s.recipe.turns is None:
             # Each share takes what one machine would: the slice grows with the machines.

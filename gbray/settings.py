@@ -173,6 +173,7 @@ class Recipe:
             val_every_steps=self.val_every_steps if self.val_every_steps is not None else steps,
             exam_turns=self.exam_turns or (500 if gpu else 150),
             seed=self.seed if self.seed is not None else int(time.time() * 1000) % 2**31,
+            thread_probe=self.thread_probe if self.thread_probe is not None else self.threads == 0,
         )
 
     @property

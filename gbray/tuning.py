@@ -41,7 +41,7 @@ class Choices:
     checkpointing: bool
     why_precision: str
     why_checkpointing: str
-    why_threads: str = "asked (--threads)"
+    why_threads: str
 
     def line(self) -> str:
         precision = "bfloat16 autocast" if self.autocast else "float32"
