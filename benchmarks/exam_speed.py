@@ -6,7 +6,7 @@ whole prompt with the whole answer budget (320 tokens), one turn at a time. Prin
 object: turns per minute of each, their ratio, whether every turn's tool matched, and every
 near-tie (a step whose two best logits were closer than --tie-margin) with its margin.
 
-    python benchmarks/exam_speed.py --size qwen2.5-0.5b-shape --turns 16
+    python benchmarks/exam_speed.py --size qwen2.5-0.5b-shape      # ~55 min, plain ~49 of them
     python benchmarks/exam_speed.py --size tiny --turns 64 --prompt-tokens 700 --system-tokens 500
 
 Without --student and --data it builds what it needs under --work (kept for the next run): a
@@ -87,8 +87,8 @@ def main() -> int:
         help="about how long the shared system prompt (the tool catalogue) is; the field's was "
         "about 2,600 tokens of 2,700",
     )  # fmt: skip
-    p.add_argument("--turns", type=int, default=16, help="turns on the paper")
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--turns", type=int, default=64, help="turns on the paper")
+    p.add_argument("--batch", type=int, default=64, help="the fast exam's batch (--exam-batch)")
     p.add_argument("--budget", type=int, default=320, help="the answer budget")
     p.add_argument("--max-len", type=int, default=4096)
     p.add_argument("--threads", type=int, default=0)

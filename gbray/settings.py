@@ -78,7 +78,11 @@ class Recipe:
     exam_turns: int | None = setting(
         None, "turns on the paper; default 150 on a CPU, 500 on a GPU", aliases=("--eval-turns",)
     )
-    exam_batch: int = setting(16, "turns generated together in an exam")
+    exam_batch: int = setting(
+        64,
+        "turns generated together in an exam (fewer where their cache would pass 2 GiB); a "
+        "finished turn leaves its batch",
+    )
     exam_full_answers: bool = setting(
         False,
         "generate every answer to EOS or the budget; by default an answer ends once it names a "
@@ -196,21 +200,25 @@ DEFAULT_STUDENT = "Qwen/Qwen2.5-0.5B-Instruct"
 
 @dataclass(frozen=True)
 class ExamMode:
-    """How an exam generates. `plain()` (one turn at a time, the whole prompt, the whole
-    answer) is the reference the fast mode is checked against."""
+    """How an exam generates. `plain()` (the reference: generate() one turn at a time over the
+    whole prompt, to EOS or the whole budget) is what the fast mode is checked against."""
 
-    batch: int = 16
+    batch: int = 64
     stop_at_tool: bool = True
-    share_prefix: bool = True
+    reference: bool = False
     tie_margin: float = 1e-4
 
     @classmethod
     def of(cls, recipe: Recipe) -> ExamMode:
-        return cls(recipe.exam_batch, not recipe.exam_full_answers, True, recipe.tie_margin)
+        return cls(
+            batch=recipe.exam_batch,
+            stop_at_tool=not recipe.exam_full_answers,
+            tie_margin=recipe.tie_margin,
+        )
 
     @classmethod
     def plain(cls, tie_margin: float = 1e-4) -> ExamMode:
-        return cls(batch=1, stop_at_tool=False, share_prefix=False, tie_margin=tie_margin)
+        return cls(batch=1, stop_at_tool=False, reference=True, tie_margin=tie_margin)
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,50 @@ def test_shared_prefix_leaves_each_prompt_a_token_of_its_own():
 # -- fast and exact -----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("kernel", ["fused", "plain"])
+def test_cascade_attention_is_attention_over_the_prefix_and_the_rows_own_keys(kernel, monkeypatch):
+    """One copy of the prefix for every row, joined with each row's own (masked) keys by their
+    log-sum-exps: the same as SDPA over each row's whole keys. `plain` is the path off a CPU."""
+    import types
+
+    import torch
+
+    from gbray import examiner
+
+    if kernel == "plain":
+        monkeypatch.setattr(examiner, "_attend", examiner._attend_plain)
+    torch.manual_seed(0)
+    rows, heads, kv_heads, dim, prefix_len, own, queries = 3, 6, 2, 8, 11, 7, 2
+    prefix = examiner.SharedPrefix(list(range(prefix_len)))
+    prefix.keys = [None, torch.randn(1, kv_heads, prefix_len, dim)]
+    prefix.values = [None, torch.randn(1, kv_heads, prefix_len, dim)]
+    query = torch.randn(rows, heads, queries, dim)
+    key, value = torch.randn(rows, kv_heads, own, dim), torch.randn(rows, kv_heads, own, dim)
+    mask = torch.rand(rows, 1, queries, own) > 0.4
+    mask[..., -1] = True  # each query sees at least itself
+    module = types.SimpleNamespace(layer_idx=1, num_key_value_groups=heads // kv_heads)
+    out, _ = examiner.cascade_attention(module, query, key, value, mask, shared_prefix=prefix)
+
+    whole_k = torch.cat([prefix.keys[1].expand(rows, -1, -1, -1), key], 2)
+    whole_v = torch.cat([prefix.values[1].expand(rows, -1, -1, -1), value], 2)
+    whole_mask = torch.cat([torch.ones(rows, 1, queries, prefix_len, dtype=torch.bool), mask], -1)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        query,
+        whole_k.repeat_interleave(heads // kv_heads, 1),
+        whole_v.repeat_interleave(heads // kv_heads, 1),
+        attn_mask=whole_mask,
+    ).transpose(1, 2)
+    assert out.shape == (rows, queries, heads, dim)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    # Past the mask's columns the batch's cache is not read: the answer's room ahead is empty.
+    wider_k = torch.cat([key, torch.full((rows, kv_heads, 5, dim), float("nan"))], 2)
+    wider_v = torch.cat([value, torch.full((rows, kv_heads, 5, dim), float("nan"))], 2)
+    again, _ = examiner.cascade_attention(
+        module, query, wider_k, wider_v, mask, shared_prefix=prefix
+    )
+    torch.testing.assert_close(again, out)
+
+
 def divergence(a, b) -> int:
     return next(
         (k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
@@ -78,7 +122,9 @@ def check_exact(examiner, paper):
     from gbray.settings import ExamMode
 
     prompts = [fit_prompt(examiner.tokenizer, t["system"], t["user"], 512)[0] for t in paper]
-    fast = examiner.answers(prompts, 320, ExamMode(batch=8))
+    # Batches of 20 turns: each goes through the model's prefill in parts (PREFILL_ROWS), and
+    # its rows leave one by one as they finish.
+    fast = examiner.answers(prompts, 320, ExamMode(batch=20))
     assert examiner.prefix_tokens > 16
     plain = examiner.answers(prompts, 320, ExamMode.plain())
     ties, reported = [], {t["turn"] for t in near_ties(fast, 1e-4)}
