@@ -6,7 +6,7 @@ whole prompt with the whole answer budget (320 tokens), one turn at a time. Prin
 object: turns per minute of each, their ratio, whether every turn's tool matched, and every
 near-tie (a step whose two best logits were closer than --tie-margin) with its margin.
 
-    python benchmarks/exam_speed.py --size qwen2.5-0.5b-shape      # ~55 min, plain ~49 of them
+    python benchmarks/exam_speed.py --size qwen2.5-0.5b-shape      # ~66 min here, plain ~61 of them
     python benchmarks/exam_speed.py --size tiny --turns 64 --prompt-tokens 700 --system-tokens 500
 
 Without --student and --data it builds what it needs under --work (kept for the next run): a

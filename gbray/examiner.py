@@ -185,8 +185,8 @@ def cascade_attention(
     once per row (16 rows of a 2,443-token prefix on the 0.5B shape: 1.1 GB a step). The
     prefix part and the row's own part (`key`, `value`: the batch's cache, masked by
     `attention_mask`, a boolean (batch, 1, query, columns) over its first columns) are joined
-    by their log-sum-exps.
-    Without `shared_prefix` this is SDPA, as the model would run without it.
+    by their log-sum-exps. Without `shared_prefix` this is SDPA, as the model would run without
+    it.
     """
     if shared_prefix is None:
         return sdpa_attention_forward(
@@ -397,8 +397,8 @@ class Examiner:
         self, prompts: list[list[int]], budget: int, mode: ExamMode, asked: list[str] | None = None
     ) -> list[Answer]:
         """Every prompt's answer, in order: the shared prefix computed once, then batches of
-        similar lengths (the reference mode: generate(), a turn at a time). Progress lines count right answers when `asked`
-        (the tool each turn asks for) is given."""
+        similar lengths (the reference mode: generate(), a turn at a time). Progress lines
+        count right answers when `asked` (the tool each turn asks for) is given."""
         head = [] if mode.reference else shared_prefix(prompts)
         prefix = self.shared_prefix(head if len(head) >= MIN_PREFIX_TOKENS else [])
         self.prefix_tokens = len(prefix)
