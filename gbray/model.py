@@ -197,7 +197,7 @@ def load_student(
     return model, tokenizer
 
 
-def _body_and_head(model):
+def body_and_head(model):
     """The transformer body and LM head of a (possibly PEFT-wrapped) causal LM, or None."""
     inner = model
     if hasattr(inner, "get_base_model"):
@@ -220,7 +220,7 @@ def answer_loss(model, batch: dict) -> tuple[torch.Tensor, int]:
     targets = labels[:, 1:]
     keep = targets != IGNORE
     count = int(keep.sum())
-    parts = _body_and_head(model)
+    parts = body_and_head(model)
     if parts is None:
         out = model(
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels

@@ -82,6 +82,10 @@ class TrainSummary:
     pid: int | None = None
     choices: dict | None = None  # autocast, checkpointing, threads, and why (tuning.Choices)
     averaged: int = 0  # times its adapter was averaged with other shares' while training
+    # Optimizer steps that ran their turns' shared prompt prefix once, and the share of the
+    # trained tokens that spared (gbray.prefix).
+    shared_prefix_steps: int = 0
+    spared_tokens_share: float | None = None
 
 
 class ExamStopped(Exception):

@@ -113,6 +113,12 @@ class Recipe:
         "recompute activations (memory stops growing with depth, ~25%% slower); default: only "
         "when the memory free would not hold the longest turn's activations, as measured",
     )
+    share_prefix: bool | None = setting(
+        None,
+        "run the prompt prefix that a step's turns share (the system prompt) once per optimizer "
+        "step, not once per turn: the same gradients; default: on a CPU, for every step where "
+        "it spares at least a tenth of the step's tokens",
+    )
     seed: int | None = setting(None, "training draw seed; default from the clock, so rounds move")
     device: str = setting(
         "auto",

@@ -21,6 +21,14 @@ import torch
 from gbray.data.fit import Example, collate, make_examples
 from gbray.model import answer_loss, load_student
 from gbray.platform import set_threads
+from gbray.prefix import (
+    MIN_SAVING,
+    common_prefix,
+    saving,
+    shared_prefix_step,
+    shared_prefix_sums,
+    use_prefix_attention,
+)
 from gbray.results import TrainSummary
 from gbray.settings import Recipe
 from gbray.tuning import Choices, SavedForBackward, autocast, choose, native_bfloat16
@@ -140,6 +148,9 @@ class TrainState:
     checks_without_gain: int = 0
     checks: list = field(default_factory=list)
     why: str = "finished"
+    shared_steps: int = 0  # optimizer steps whose turns ran their shared prefix once
+    tokens: int = 0  # tokens of the turns trained
+    spared: int = 0  # of those, prefix tokens not run again
 
 
 RESUME_FILE = "resume.pt"
@@ -186,6 +197,7 @@ class Trainer:
             model_path, adapter, recipe.weights_precision, trainable=True, lora=recipe.lora
         )
         self.model.to(self.device)
+        self.prefix_attention = self.device == "cpu" and use_prefix_attention(self.model)
         # Where the machine decides (autocast, checkpointing), the first probe or training
         # measures it: see `configure`.
         self.native_bf16 = native_bf16
@@ -201,7 +213,13 @@ class Trainer:
         micro-batch in tokens. Printed, and returned with the training summary."""
         if self.choices is None:
             self.choices = choose(
-                self.recipe, self.threads, self.device, self._probe_step, longest, self.native_bf16
+                self.recipe,
+                self.threads,
+                self.device,
+                self._probe_step,
+                longest,
+                self.native_bf16,
+                self.prefix_attention,
             )
             self.threads = self.choices.threads
             if self.choices.checkpointing:
@@ -264,6 +282,41 @@ class Trainer:
         state.losses.append(value)
         return value
 
+    def accumulate(self, micro_batches: list[list[Example]], state: TrainState) -> None:
+        """Forward and backward of one optimizer step's micro-batches (or what is left of it):
+        their shared prompt prefix run once where that is on and spares enough, else one
+        micro-batch at a time. The gradients are the same either way."""
+        turns = [e for batch in micro_batches for e in batch]
+        state.tokens += sum(len(e.input_ids) for e in turns)
+        choices = self.configure(max(len(e.input_ids) for e in turns))
+        prefix = common_prefix(turns) if choices.share_prefix and len(turns) > 1 else 0
+        if not prefix or saving(micro_batches, prefix) < MIN_SAVING:
+            for batch in micro_batches:
+                self.micro_step(batch, state)
+            return
+        self.model.train()
+        step = shared_prefix_step(
+            self.model,
+            micro_batches,
+            prefix,
+            self.recipe.accum,
+            self.tokenizer.pad_token_id,
+            self.device,
+            lambda: autocast(self.device, choices.autocast),
+        )
+        state.shared_steps += 1
+        state.spared += (len(turns) - 1) * prefix
+        for value in step.losses:
+            state.micro += 1
+            if value is None:
+                state.skipped_nan += 1
+                self.report(f"skipped a non-finite loss ({state.skipped_nan} so far)")
+                continue
+            state.pending += 1
+            state.losses.append(value)
+        if self.pause_per_turn:
+            time.sleep(self.pause_per_turn * len(turns))
+
     def optimizer_step(self, state: TrainState, scheduler) -> None:
         if state.pending:
             torch.nn.utils.clip_grad_norm_(
@@ -297,6 +350,22 @@ class Trainer:
         """Teacher-forced loss on held-out turns, forward only, weighted by labelled tokens."""
         self.model.eval()
         total, count = 0.0, 0
+        choices = self.configure(max(len(e.input_ids) for e in examples)) if examples else None
+        prefix = (
+            common_prefix(examples) if choices and choices.share_prefix and len(examples) > 1 else 0
+        )
+        if prefix and saving([examples], prefix) >= MIN_SAVING:
+            sums, counts = shared_prefix_sums(
+                self.model,
+                examples,
+                prefix,
+                self.tokenizer.pad_token_id,
+                self.device,
+                lambda: autocast(self.device, choices.autocast),
+            )
+            finite = [(s, n) for s, n in zip(sums, counts, strict=True) if n and math.isfinite(s)]
+            count = sum(n for _, n in finite)
+            return sum(s for s, _ in finite) / count if count else math.nan
         size = max(1, self.recipe.batch)
         for i in range(0, len(examples), size):
             batch = self._to_device(collate(examples[i : i + size], self.tokenizer.pad_token_id))
@@ -518,11 +587,21 @@ class Trainer:
         while state.turn_passes < passes_total and state.why == "finished":
             epoch, offset = divmod(state.turn_passes, n)
             order = self._order(n, epoch)
-            for i in range(offset, n, recipe.batch):
-                chunk = order[i : i + recipe.batch][: passes_total - state.turn_passes]
+            i = offset
+            while i < n:
+                # What completes the optimizer step in progress, in micro-batches of `batch`.
+                room = (recipe.accum - state.micro % recipe.accum) * recipe.batch
+                chunk = order[i : i + room][: passes_total - state.turn_passes]
                 if not chunk:
                     break
-                self.micro_step([examples[j] for j in chunk], state)
+                i += len(chunk)
+                self.accumulate(
+                    [
+                        [examples[j] for j in chunk[k : k + recipe.batch]]
+                        for k in range(0, len(chunk), recipe.batch)
+                    ],
+                    state,
+                )
                 state.turn_passes += len(chunk)
                 state.pending_turns += len(chunk)
                 state.seen.update(chunk)
@@ -605,6 +684,8 @@ class Trainer:
             resumed_from_step=self.resumed["step"] if self.resumed else None,
             choices=self.choices.as_dict(),
             averaged=self.averaged,
+            shared_prefix_steps=state.shared_steps,
+            spared_tokens_share=round(state.spared / state.tokens, 4) if state.tokens else None,
         )
 
 

@@ -7,11 +7,14 @@
   (AMX or AVX512-BF16) and a short probe of forward and backward shows it faster; on a GPU only
   when asked (SPEC §5). Without native support bfloat16 was reported 44x slower than float32.
 - Gradient checkpointing only when the memory measured free would not hold the activations of
-  the longest turn (measured on a probe turn and scaled by length): its ~25% recompute is the
-  price of memory, not a law.
+  the longest turn (what a probe turn keeps per token, from probes of two lengths): its ~25%
+  recompute is the price of memory, not a law.
+- A shared prefix (gbray.prefix): the prompt prefix a step's turns share runs once a step, on a
+  CPU, wherever the model runs SDPA's attention; each step uses it where it spares a tenth of
+  the step's tokens.
 
 Each choice can be forced by its setting (`--precision`, `--gradient-checkpointing`,
-`--threads`); all are printed at start and stored with the round's recipe.
+`--threads`, `--no-share-prefix`); all are printed at start and stored with the round's recipe.
 """
 
 from __future__ import annotations
@@ -42,13 +45,16 @@ class Choices:
     why_precision: str
     why_checkpointing: str
     why_threads: str
+    share_prefix: bool
+    why_share_prefix: str
 
     def line(self) -> str:
         precision = "bfloat16 autocast" if self.autocast else "float32"
         return (
             f"configured: {precision} ({self.why_precision}); checkpointing "
             f"{'on' if self.checkpointing else 'off'} ({self.why_checkpointing}); "
-            f"{self.threads} threads ({self.why_threads})"
+            f"{self.threads} threads ({self.why_threads}); shared prefix "
+            f"{'on' if self.share_prefix else 'off'} ({self.why_share_prefix})"
         )
 
     def as_dict(self) -> dict:
@@ -117,18 +123,35 @@ def choose(
     step_on: Callable[[int, bool, bool], None],
     longest: int,
     native: Callable[[], tuple[bool, str]] = native_bfloat16,
+    prefix_attention: bool = True,
 ) -> Choices:
     """The trainer's choices for this machine. `step_on(tokens, autocast, checkpointing)` runs one
     forward and backward on a probe turn of that many tokens (its gradients thrown away) and
     returns the bytes its forward saved for backward; `longest` is the longest training turn in
-    tokens times the batch."""
+    tokens times the batch; `prefix_attention`, whether the model runs gbray's shared-prefix
+    attention."""
     probe = max(16, min(PROBE_TOKENS, longest))
     threads, why_threads = _choose_threads(recipe, device, step_on, probe, threads)
     autocast_on, why_precision = _choose_precision(recipe, device, step_on, probe, native)
     checkpointing, why_ckpt = _choose_checkpointing(
         recipe, device, step_on, probe, longest, autocast_on
     )
-    return Choices(threads, autocast_on, checkpointing, why_precision, why_ckpt, why_threads)
+    share, why_share = _choose_sharing(recipe, device, prefix_attention)
+    return Choices(
+        threads, autocast_on, checkpointing, why_precision, why_ckpt, why_threads, share, why_share
+    )
+
+
+def _choose_sharing(recipe, device, prefix_attention: bool) -> tuple[bool, str]:
+    """Whether a step's turns run their shared prompt prefix once (gbray.prefix): the same
+    gradients from fewer tokens, so on wherever it can run."""
+    if recipe.share_prefix is False:
+        return False, "asked (--no-share-prefix)"
+    if device != "cpu":
+        return False, "its attention uses PyTorch's CPU flash kernels"
+    if not prefix_attention:
+        return False, "the model's attention is not SDPA's, which it stands in for"
+    return True, "a step's turns run the prompt prefix they share once, where that spares a tenth"
 
 
 # One thread must beat the actor's CPUs by this much to be chosen: a probe is a noisy clock.
@@ -181,9 +204,12 @@ def _choose_checkpointing(recipe, device, step_on, probe, longest, autocast_on) 
         )
         return recipe.gradient_checkpointing, f"asked ({flag})"
     saved = step_on(probe, autocast_on, False)
-    # Activations grow with the tokens (attention through SDPA keeps no score matrix); half
-    # again for what a step holds briefly beside them (logits, gradients in flight).
-    need = 1.5 * saved * longest / probe
+    # What grows with the tokens, from a probe of half the length: the rest does not (under
+    # autocast, the bfloat16 copies of the weights: 0.7 GB on the 0.5B shape, which scaled with
+    # the tokens read as 9 GB more than a 2,112-token turn holds). Attention through SDPA keeps
+    # no score matrix. Half again for what a step holds briefly (logits, gradients in flight).
+    per_token = max(0.0, (saved - step_on(probe // 2, autocast_on, False)) / (probe - probe // 2))
+    need = 1.5 * (saved + per_token * max(0, longest - probe))
     free = free_memory(device)
     gb = 1024**3
     if need <= MEMORY_SHARE * free:

@@ -14,6 +14,7 @@ def recipe(**kw):
         hours=1.0, epochs=1, lr=1e-3, batch=2, accum=1, lora_r=4, lora_alpha=8, max_len=256,
         answer_room=32, val_turns=4, val_every_minutes=0, val_every_steps=0, seed=1,
         device="cpu", threads=1, exam_turns=10, turns=12, lora_dropout=0.0,
+        share_prefix=False,  # the choices tested here, one micro-step at a time
     )  # fmt: skip
     base.update(kw)
     return Recipe(**base)
