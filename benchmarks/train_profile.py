@@ -5,8 +5,9 @@ dropout and without it (the one lever the profile shows that is a recipe choice,
     python benchmarks/train_profile.py --layers 6
     python benchmarks/train_profile.py --layers 6 --dropouts 0.05
 
-Prints one JSON object: per dropout the step's seconds, the bytes the forward keeps for backward
-(the trainer's own measure) and the operators with the most self time; then their ratio.
+Prints one JSON object: per dropout the step's seconds, the bytes its forwards kept for backward
+over the step (the trainer's own measure; a step back-propagates each group of turns before the
+next, so they were not all held at once) and the operators with the most self time; then their ratio.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def profile_step(args, model_dir: Path, dropout: float) -> dict:
 
     recipe = dataclasses.replace(train_speed.recipe_for(args, "gbray"), lora_dropout=dropout)
     trainer, choices, step = train_speed.gbray_step(
-        args, recipe, model_dir, args.work / f"out-profile-{dropout}"
+        args, recipe, model_dir, args.work / f"out-profile-{dropout}", args.accum
     )
     step()  # warm-up
     saved = SavedForBackward(trainer.model)
@@ -58,6 +59,8 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=24, help="decoder layers (24: the real shape)")
     p.add_argument("--prompt-tokens", type=int, default=2048)
     p.add_argument("--answer-tokens", type=int, default=64)
+    p.add_argument("--shared-tokens", type=int, default=1972, help="as in train_speed.py")
+    p.add_argument("--accum", type=int, default=16, help="turns an optimizer step")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--work", type=Path, default=Path("/tmp/gbray-train-speed"))
     p.add_argument("--dropouts", default="0.05,0", help="LoRA dropouts to profile, comma-separated")

@@ -165,14 +165,22 @@ AttentionInterface.register(SHARED_PREFIX, prefix_attention)
 AttentionMaskInterface.register(SHARED_PREFIX, sdpa_mask)
 
 
+# Architectures whose attention is plain causal SDPA over every earlier token (no sliding
+# window, soft-capping or sinks), which `prefix_attention` computes exactly.
+ARCHITECTURES = ("qwen2", "qwen3", "llama")
+
+
 def use_prefix_attention(model) -> bool:
-    """Set the trainer's attention function on a (PEFT-wrapped) model, where it can run: on a
-    CPU, with SDPA's attention (what the function falls back to). Returns whether it was set."""
+    """Set the trainer's attention function on a (PEFT-wrapped) model, where it computes what the
+    model's own does: one of ARCHITECTURES on SDPA, no attention dropout, no sliding window.
+    Returns whether it was set."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", None)
-    if config is None or getattr(config, "_attn_implementation", None) not in ("sdpa", None):
+    if config is None or getattr(config, "model_type", None) not in ARCHITECTURES:
         return False
-    if getattr(config, "attention_dropout", 0.0):
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", None):
+        return False
+    if getattr(config, "attention_dropout", 0.0) or getattr(config, "use_sliding_window", False):
         return False
     try:
         base.set_attn_implementation(SHARED_PREFIX)

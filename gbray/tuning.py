@@ -150,7 +150,7 @@ def _choose_sharing(recipe, device, prefix_attention: bool) -> tuple[bool, str]:
     if device != "cpu":
         return False, "its attention uses PyTorch's CPU flash kernels"
     if not prefix_attention:
-        return False, "the model's attention is not SDPA's, which it stands in for"
+        return False, "the model's attention is not one it computes exactly (gbray.prefix)"
     return True, "a step's turns run the prompt prefix they share once, where that spares a tenth"
 
 

@@ -148,7 +148,7 @@ def test_the_sharing_choice_says_why():
     off = choose(recipe(share_prefix=False), 2, "cpu", step_on, longest=100)
     assert not off.share_prefix and off.why_share_prefix == "asked (--no-share-prefix)"
     other = choose(recipe(), 2, "cpu", step_on, longest=100, prefix_attention=False)
-    assert not other.share_prefix and "SDPA" in other.why_share_prefix
+    assert not other.share_prefix and "exactly" in other.why_share_prefix
     gpu = choose(recipe(), 2, "cuda", step_on, longest=100)
     assert not gpu.share_prefix
 

@@ -95,6 +95,12 @@ def test_round_json_is_complete(finished_round):
     assert on_disk["result"]["per_tool"] and on_disk["baseline"]["per_tool"]
     assert on_disk["paper"]["turns"] == 100
     assert json.loads((out / "recipe.json").read_text())["lr"] == 3e-3
+    # The corpus's turns share their system prompt: every step ran it once.
+    assert on_disk["choices"]["share_prefix"] is True
+    assert (
+        on_disk["steps"] - 1 <= on_disk["shared_prefix_steps"] <= on_disk["steps"]
+    )  # a last lone turn: whole
+    assert 0 < on_disk["spared_tokens_share"] < 1
 
 
 def test_result_beats_baseline_on_a_corpus_of_other_tools(finished_round):
