@@ -51,11 +51,23 @@ class PrefixKeys:
     values: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def detached(self) -> PrefixKeys:
-        """Leaf copies the rows attend to; their gradients are the prefix's to back-propagate."""
+        """Leaf copies the rows attend to; their gradients are the prefix's to back-propagate.
+        A tensor that no adapter reaches (the first layer's keys where k_proj has none) needs
+        no gradient."""
         return PrefixKeys(
-            {i: k.detach().requires_grad_() for i, k in self.keys.items()},
-            {i: v.detach().requires_grad_() for i, v in self.values.items()},
+            {i: k.detach().requires_grad_(k.requires_grad) for i, k in self.keys.items()},
+            {i: v.detach().requires_grad_(v.requires_grad) for i, v in self.values.items()},
         )
+
+    def gradients(self, leaves: PrefixKeys) -> tuple[list, list]:
+        """(tensors, their gradients) of what the rows back-propagated into `leaves`."""
+        pairs = [
+            (mine[i], theirs[i].grad)
+            for mine, theirs in ((self.keys, leaves.keys), (self.values, leaves.values))
+            for i in mine
+            if theirs[i].grad is not None
+        ]
+        return [t for t, _ in pairs], [g for _, g in pairs]
 
 
 def _flash(query, key, value, causal: bool, scale: float):
@@ -343,12 +355,9 @@ def shared_prefix_step(
             total = loss / accum if total is None else total + loss / accum
         if total is not None:
             total.backward()
-    layers = [i for i in computed.keys if leaves.keys[i].grad is not None]
-    if layers:
-        torch.autograd.backward(
-            [computed.keys[i] for i in layers] + [computed.values[i] for i in layers],
-            [leaves.keys[i].grad for i in layers] + [leaves.values[i].grad for i in layers],
-        )
+    tensors, grads = computed.gradients(leaves)
+    if tensors:
+        torch.autograd.backward(tensors, grads)
     return StepLosses(losses)
 
 

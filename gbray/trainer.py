@@ -578,6 +578,13 @@ class Trainer:
             f"{recipe.epochs:g} epochs, {plan.total} steps planned, {recipe.hours * 60:.1f} min budget, "
             f"{self.threads} threads on {self.device}"
         )
+        shared = common_prefix(examples) if self.choices.share_prefix and len(examples) > 1 else 0
+        if shared:
+            mean = sum(len(e.input_ids) for e in examples) / len(examples)
+            self.report(
+                f"the slice's turns all begin with the same {shared} tokens ({shared / mean:.0%} "
+                "of a turn): each step runs what its turns share once"
+            )
         timing = Timing(started=self.clock(), deadline=deadline, data_total=data_total)
         speed_passes = -1  # measured from the end of the first step this process takes
         last_note = self.clock()

@@ -96,6 +96,36 @@ def test_sharing_the_prefix_learns_what_turn_by_turn_training_learns(
         assert (g_on[name] - grad).abs().max() <= 1e-5 * scale, name
 
 
+def test_an_adapter_on_some_projections_only_learns_the_same(raw_student, turns, tmp_path):
+    """Carried on from an adapter on q and v only: the first layer's prefix keys reach no
+    adapter (they need no gradient), its values do."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    start = tmp_path / "start"
+    get_peft_model(
+        AutoModelForCausalLM.from_pretrained(raw_student),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+    ).save_pretrained(start)
+    found = {}
+    for share in (True, False):
+        trainer = Trainer(
+            str(raw_student), str(start), recipe(share_prefix=share), tmp_path / str(share)
+        )
+        r = trainer.recipe
+        window = [[make_example(trainer.tokenizer, t, r.max_len, r.answer_room)] for t in turns[:4]]
+        state = TrainState()
+        trainer.accumulate(window, state)
+        assert state.shared_steps == int(share)
+        found[share] = (state.losses, {
+            n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.requires_grad
+        })  # fmt: skip
+    assert found[True][0] == pytest.approx(found[False][0], abs=1e-5)
+    scale = max(g.abs().max() for g in found[False][1].values())
+    for name, grad in found[False][1].items():
+        assert (found[True][1][name] - grad).abs().max() <= 1e-5 * scale, name
+
+
 def test_validation_with_the_prefix_shared_gives_the_same_loss(raw_student, turns, tmp_path):
     shared = Trainer(str(raw_student), None, recipe(), tmp_path / "a")
     whole = Trainer(str(raw_student), None, recipe(share_prefix=False), tmp_path / "b")
@@ -133,8 +163,11 @@ def test_turns_that_share_too_little_are_trained_whole(raw_student, turns, tmp_p
 
 
 def test_a_round_records_the_shared_prefix(raw_student, turns, tmp_path):
-    summary = Trainer(str(raw_student), None, recipe(), tmp_path).train(turns[:12], turns[12:])
+    lines = []
+    trainer = Trainer(str(raw_student), None, recipe(), tmp_path, report=lines.append)
+    summary = trainer.train(turns[:12], turns[12:])
     assert summary.choices["share_prefix"] is True
+    assert any(x.startswith("the slice's turns all begin with the same") for x in lines), lines
     assert summary.shared_prefix_steps == 3
     assert 0.3 < summary.spared_tokens_share < 1
 
