@@ -119,6 +119,7 @@ class Timing:
     last_val: float = 0.0
     last_save: float = 0.0
     val_seconds: float | None = None  # how long the last validation took
+    val_turns: int = 0
 
     def __post_init__(self):
         self.speed_from = self.last_val = self.last_save = self.started
@@ -149,6 +150,7 @@ class TrainState:
     checks: list = field(default_factory=list)
     why: str = "finished"
     shared_steps: int = 0  # optimizer steps whose turns ran their shared prefix once
+    shared_pending: bool = False  # the step in progress did
     tokens: int = 0  # tokens of the turns trained
     spared: int = 0  # of those, prefix tokens not run again
 
@@ -304,7 +306,7 @@ class Trainer:
             self.device,
             lambda: autocast(self.device, choices.autocast),
         )
-        state.shared_steps += 1
+        state.shared_pending = True
         state.spared += (len(turns) - 1) * prefix
         for value in step.losses:
             state.micro += 1
@@ -326,6 +328,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         state.pending = 0
         state.pending_turns = 0
+        state.shared_steps += state.shared_pending
+        state.shared_pending = False
         state.steps += 1
         scheduler.step()
 
@@ -500,13 +504,16 @@ class Trainer:
         return True
 
     def _replan(self, plan: Plan, scheduler, state: TrainState, timing: Timing):
-        per_step = (self.clock() - timing.speed_from) / max(1, state.steps - timing.speed_step)
+        now = self.clock()
+        per_step = (now - timing.speed_from) / max(1, state.steps - timing.speed_step)
+        # Training stops where the final validation's time begins, not at the deadline.
+        reserve = timing.final_validation_reserve(now, state.turn_passes, timing.val_turns)
         new = replan(
             plan,
             timing.data_total,
             state.steps,
             per_step,
-            timing.deadline - self.clock(),
+            timing.deadline - reserve - now,
             self.recipe,
         )
         if new is plan:
@@ -585,7 +592,9 @@ class Trainer:
                 f"the slice's turns all begin with the same {shared} tokens ({shared / mean:.0%} "
                 "of a turn): each step runs what its turns share once"
             )
-        timing = Timing(started=self.clock(), deadline=deadline, data_total=data_total)
+        timing = Timing(
+            started=self.clock(), deadline=deadline, data_total=data_total, val_turns=len(val)
+        )
         speed_passes = -1  # measured from the end of the first step this process takes
         last_note = self.clock()
         first_note_done = False

@@ -1,4 +1,3 @@
-import math
 from pathlib import Path
 
 import pytest
@@ -112,10 +111,10 @@ def test_short_budget_stops_on_time_and_still_writes_adapters(raw_student, turns
         assert (Path(tmp_path) / name / "adapter_model.safetensors").is_file()
     assert any("turn-passes" in line for line in lines)
     assert summary.replanned_from is not None
-    assert (
-        math.isclose(summary.final_lr, 1e-3 * 0.1, rel_tol=1e-6)
-        or summary.steps >= summary.planned_steps
-    )
+    # The re-planned cosine ended at its floor: the steps it planned were taken, or the time
+    # ran out within its last steps (a step or two short of a plan made from the first steps'
+    # speed: within 5% of the floor).
+    assert summary.final_lr <= 1e-3 * 0.1 * 1.05 or summary.steps >= summary.planned_steps
 
 
 @pytest.mark.parametrize("after, why", [(0.0, "patience"), (0.5, "finished")])
