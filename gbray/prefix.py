@@ -229,6 +229,14 @@ def saving(micro_batches: list[list[Example]], prefix: int) -> float:
     return (len(turns) - 1) * prefix / total if total else 0.0
 
 
+def prefix_to_share(micro_batches: list[list[Example]]) -> int:
+    """Tokens a step's turns run once: their common prefix where it spares at least MIN_SAVING
+    of the step's tokens, else 0 (the turns run whole)."""
+    turns = [e for batch in micro_batches for e in batch]
+    prefix = common_prefix(turns) if len(turns) > 1 else 0
+    return prefix if prefix and saving(micro_batches, prefix) >= MIN_SAVING else 0
+
+
 def groups(micro_batches: list[list[Example]], prefix: int, budget: int = GROUP_TOKENS):
     """Micro-batches gathered into groups of rows of at most `budget` tokens (at least one)."""
     out, current, size = [], [], 0

@@ -22,9 +22,8 @@ from gbray.data.fit import Example, collate, make_examples
 from gbray.model import answer_loss, load_student
 from gbray.platform import set_threads
 from gbray.prefix import (
-    MIN_SAVING,
     common_prefix,
-    saving,
+    prefix_to_share,
     shared_prefix_step,
     shared_prefix_sums,
     use_prefix_attention,
@@ -291,8 +290,8 @@ class Trainer:
         turns = [e for batch in micro_batches for e in batch]
         state.tokens += sum(len(e.input_ids) for e in turns)
         choices = self.configure(max(len(e.input_ids) for e in turns))
-        prefix = common_prefix(turns) if choices.share_prefix and len(turns) > 1 else 0
-        if not prefix or saving(micro_batches, prefix) < MIN_SAVING:
+        prefix = prefix_to_share(micro_batches) if choices.share_prefix else 0
+        if not prefix:
             for batch in micro_batches:
                 self.micro_step(batch, state)
             return
@@ -355,10 +354,8 @@ class Trainer:
         self.model.eval()
         total, count = 0.0, 0
         choices = self.configure(max(len(e.input_ids) for e in examples)) if examples else None
-        prefix = (
-            common_prefix(examples) if choices and choices.share_prefix and len(examples) > 1 else 0
-        )
-        if prefix and saving([examples], prefix) >= MIN_SAVING:
+        prefix = prefix_to_share([examples]) if choices and choices.share_prefix else 0
+        if prefix:
             sums, counts = shared_prefix_sums(
                 self.model,
                 examples,

@@ -10,8 +10,8 @@
   the longest turn (what a probe turn keeps per token, from probes of two lengths): its ~25%
   recompute is the price of memory, not a law.
 - A shared prefix (gbray.prefix): the prompt prefix a step's turns share runs once a step, on a
-  CPU, wherever the model runs SDPA's attention; each step uses it where it spares a tenth of
-  the step's tokens.
+  CPU, for the architectures whose attention gbray.prefix computes exactly; each step uses it
+  where it spares a tenth of the step's tokens.
 
 Each choice can be forced by its setting (`--precision`, `--gradient-checkpointing`,
 `--threads`, `--no-share-prefix`); all are printed at start and stored with the round's recipe.
