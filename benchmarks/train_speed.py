@@ -97,17 +97,16 @@ def recipe_for(args, variant: str):
 def gbray_step(args, recipe, model_dir: Path, out: Path, turns_a_call: int):
     """gbray's trainer configured as it configures itself: (trainer, its choices, a function
     that runs `turns_a_call` turns through the trainer's accumulation and one optimizer step)."""
-    from gbray.trainer import Plan, Trainer, TrainState, make_scheduler
+    from gbray.trainer import Trainer, TrainState
 
     trainer = Trainer(str(model_dir), None, recipe, out)
     examples = turns(args, trainer.model.get_input_embeddings().num_embeddings, turns_a_call)
     choices = trainer.configure(len(examples[0].input_ids))
     state = TrainState()
-    scheduler = make_scheduler(trainer.optimizer, Plan(total=1000, warmup=0), recipe, done=0)
 
     def step():
         trainer.accumulate([[e] for e in examples], state)
-        trainer.optimizer_step(state, scheduler)
+        trainer.optimizer_step(state, recipe.lr)
 
     return trainer, choices, step
 

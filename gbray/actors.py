@@ -109,10 +109,10 @@ class TrainerActor:
     def probe(self, turns: list[dict]) -> float:
         return self.trainer.probe(turns)
 
-    def train(self, train_turns: list[dict], val_turns: list[dict]):
+    def train(self, train_turns: list[dict], val_turns: list[dict], ends_at: float | None = None):
         from dataclasses import replace
 
-        return replace(self.trainer.train(train_turns, val_turns), pid=os.getpid())
+        return replace(self.trainer.train(train_turns, val_turns, ends_at), pid=os.getpid())
 
 
 class AveragerLink:

@@ -131,6 +131,7 @@ def cmd_student(args) -> int:
             size=args.size,
             vocab=args.vocab,
             pretrain_seconds=args.pretrain_seconds,
+            pretrain_steps=args.pretrain_steps,
             pretrain_tools=args.pretrain_task,
             seed=args.seed,
             threads=args.threads,
@@ -302,9 +303,13 @@ def cmd_demo(args) -> int:
             f"agreement on paper {record['paper']['id']} ({record['paper']['turns']} turns): "
             f"before {fmt(baseline)}, after {fmt(result)}; beat the baseline: {record['beat']}"
         )
+        schedule = record.get("schedule") or {}
         print(
             f"training: {record.get('steps')} steps, {record.get('turns_trained')} turns, "
-            f"stopped by {record.get('why')}, best validation loss {record.get('best_val_loss')}"
+            f"schedule {schedule.get('kind')} (cool-down begun by "
+            f"{schedule.get('cooldown_why') or 'nothing'}), ended by {record.get('why')}; kept "
+            f"step {record.get('best_step')}: validation agreement "
+            f"{record.get('best_val_agreement')}%, loss {record.get('best_val_loss')}"
         )
         if record.get("hub_round"):
             answer = requests.post(
@@ -606,6 +611,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=90.0,
         help="tiny pre-training time (default %(default)s)",
+    )
+    p.add_argument(
+        "--pretrain-steps",
+        type=int,
+        default=0,
+        help="tiny pre-training: exactly this many steps instead of --pretrain-seconds, so the "
+        "same student is built on any machine (default %(default)s: by seconds)",
     )
     p.add_argument("--seed", type=int, default=0, help="(default %(default)s)")
     p.add_argument(

@@ -239,3 +239,42 @@ def answer_loss(model, batch: dict) -> tuple[torch.Tensor, int]:
         else logits.sum() * float("nan")
     )
     return loss, count
+
+
+def tool_named(
+    logits: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor, tool_tokens: torch.Tensor
+) -> torch.Tensor:
+    """Per row, whether greedy decoding would name the recorded tool: every one of the row's
+    first `tool_tokens` labelled tokens is the argmax of its logits (teacher forcing follows
+    greedy decoding exactly as far as they agree). `logits` are those of the labelled positions
+    (`keep`, row by row); a row with no tool to check (0) counts as not named."""
+    hit = logits.argmax(dim=-1) == targets[keep]
+    rank = (keep.cumsum(dim=1) - 1)[keep]  # each labelled position's place in its row's answer
+    row = torch.arange(keep.shape[0], device=keep.device)[:, None].expand_as(keep)[keep]
+    needed = rank < tool_tokens[row]
+    missed = torch.zeros(keep.shape[0], dtype=torch.long, device=keep.device)
+    missed = missed.index_add(0, row, (needed & ~hit).long())
+    return (missed == 0) & (tool_tokens > 0) & (keep.sum(dim=1) >= tool_tokens)
+
+
+def validation_rows(model, batch: dict, tool_tokens: torch.Tensor):
+    """Per row: summed cross-entropy over the labelled tokens, their count, and whether greedy
+    decoding would name the recorded tool (`tool_named`). Forward only."""
+    labels = batch["labels"]
+    targets = labels[:, 1:]
+    keep = targets != IGNORE
+    parts = body_and_head(model)
+    if parts is None:
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        logits = out.logits[:, :-1][keep].float()
+    else:
+        body, head = parts
+        hidden = body(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+        ).last_hidden_state
+        logits = head(hidden[:, :-1][keep]).float()
+    per_token = nn.functional.cross_entropy(logits, targets[keep], reduction="none")
+    row = torch.arange(keep.shape[0], device=keep.device)[:, None].expand_as(keep)[keep]
+    sums = torch.zeros(keep.shape[0], device=keep.device, dtype=per_token.dtype)
+    sums = sums.index_add(0, row, per_token)
+    return sums, keep.sum(dim=1), tool_named(logits, targets, keep, tool_tokens)

@@ -34,7 +34,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from gbray.data.fit import IGNORE, Example
-from gbray.model import body_and_head
+from gbray.model import body_and_head, tool_named
 
 SHARED_PREFIX = "gbray_shared_prefix"
 # A step shares its prefix only where that spares at least this share of its tokens.
@@ -311,8 +311,11 @@ def _rows(examples: list[Example], prefix: int, pad_id: int, device: str):
     return ids.to(device), labels.to(device), positions.to(device)
 
 
-def row_losses(model, examples, prefix: int, keys: PrefixKeys, pad_id: int, device: str):
-    """Summed cross-entropy over each row's labelled tokens, and their counts (one each)."""
+def row_losses(
+    model, examples, prefix: int, keys: PrefixKeys, pad_id: int, device: str, named: bool = False
+):
+    """Summed cross-entropy over each row's labelled tokens, and their counts (one each); with
+    `named`, also whether greedy decoding would name each row's recorded tool (validation)."""
     body, head = _body_and_head(model)
     ids, labels, positions = _rows(examples, prefix, pad_id, device)
     hidden = body(input_ids=ids, position_ids=positions, prefix_keys=keys, use_cache=False)
@@ -324,7 +327,10 @@ def row_losses(model, examples, prefix: int, keys: PrefixKeys, pad_id: int, devi
     row_of = torch.arange(len(examples), device=device)[:, None].expand_as(targets)[keep]
     sums = torch.zeros(len(examples), device=device, dtype=per_token.dtype)
     sums = sums.index_add(0, row_of, per_token)
-    return sums, keep.sum(dim=1)
+    if not named:
+        return sums, keep.sum(dim=1)
+    wanted = torch.tensor([e.tool_tokens for e in examples], device=device)
+    return sums, keep.sum(dim=1), tool_named(logits, targets, keep, wanted)
 
 
 @dataclass
@@ -373,16 +379,17 @@ def shared_prefix_step(
 def shared_prefix_sums(
     model, examples: list[Example], prefix: int, pad_id: int, device: str, autocast,
     group_tokens: int = GROUP_TOKENS,
-) -> tuple[list[float], list[int]]:  # fmt: skip
-    """Summed loss and labelled tokens of each example (forward only: validation), the prefix
-    run once."""
+) -> tuple[list[float], list[int], list[bool]]:  # fmt: skip
+    """Summed loss, labelled tokens and whether greedy decoding would name the recorded tool, of
+    each example (forward only: validation), the prefix run once."""
     with autocast():
         keys = run_prefix(model, examples[0].input_ids[:prefix], device, recompute=False)
-    sums, counts = [], []
+    sums, counts, named = [], [], []
     for group in groups([[e] for e in examples], prefix, group_tokens):
         turns = [batch[0] for batch in group]
         with autocast():
-            s, n = row_losses(model, turns, prefix, keys, pad_id, device)
+            s, n, right = row_losses(model, turns, prefix, keys, pad_id, device, named=True)
         sums += s.tolist()
         counts += n.tolist()
-    return sums, counts
+        named += right.tolist()
+    return sums, counts, named

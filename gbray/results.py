@@ -86,6 +86,11 @@ class TrainSummary:
     # trained tokens that spared (gbray.prefix).
     shared_prefix_steps: int = 0
     spared_tokens_share: float | None = None
+    # The kept check's agreement on the validation turns, how many there were, and the
+    # schedule's kind and what began its cool-down (gbray.schedule).
+    best_val_agreement: float | None = None
+    val_turns: int = 0
+    schedule: dict | None = None
 
 
 class ExamStopped(Exception):

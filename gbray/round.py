@@ -101,7 +101,7 @@ class Round:
             self.settle(baseline, work, start)
         except Stopped as e:
             self.note(str(e))
-            self.record.update(status="stopped", why=str(e))
+            self.record.update(status="stopped", why=str(e), kept=self.kept_so_far())
         except Exception as e:
             self.record.update(status="failed", why=f"{type(e).__name__}: {e}")
             raise
@@ -222,6 +222,21 @@ class Round:
             return None if self.start == "bare" else self.fetch(self.start, self.out / "start")
         adapter = self.settings.adapter
         return self.fetch(adapter, self.out / "start") if adapter else None
+
+    def kept_so_far(self) -> dict | None:
+        """The adapter a stopped night had kept (OUT/best, written at its best validation):
+        a stop uploads and examines nothing, but what training had made stays on disk."""
+        best = self.out / "best"
+        try:
+            state = json.loads((best / "trainer_state.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return {
+            "adapter": str(best),
+            "step": state.get("step"),
+            "val_agreement": state.get("best_val_agreement"),
+            "val_loss": state.get("best_val_loss"),
+        }
 
     @staticmethod
     def start_recorded(folder: str) -> str | None:

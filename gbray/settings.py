@@ -35,8 +35,19 @@ class Recipe:
         40.0, "turn-passes a CPU does in an hour (a sighted turn: ~100 s a pass on a laptop)"
     )
     lr: float = setting(2e-4, "peak learning rate")
+    schedule: str = setting(
+        "wsd",
+        "the learning rate over the night: wsd (warm-up, the peak held, then a cool-down over the "
+        "last --cooldown of the time or the data, or from a plateau; good whenever the night "
+        "ends) or cosine (warm-up and cosine fitted to the steps the time allows; a plateau ends "
+        "the night: the schedule nights had before)",
+        choices=("wsd", "cosine"),
+    )
     warmup: float = setting(0.05, "share of the steps spent in linear warm-up")
-    min_lr_ratio: float = setting(0.1, "the cosine ends at this fraction of the peak")
+    cooldown: float = setting(
+        0.2, "share of the night (its time or its slice's steps) the cool-down takes (wsd)"
+    )
+    min_lr_ratio: float = setting(0.1, "the rate ends at this fraction of the peak")
     batch: int = setting(1, "turns per forward pass")
     accum: int = setting(16, "forward passes per optimizer step")
     lora_r: int = setting(32, "LoRA rank")
@@ -61,11 +72,22 @@ class Recipe:
     val_every_steps: int | None = setting(
         None, "optimizer steps between validations; default 200 on a GPU, off on a CPU"
     )
-    patience: int = setting(3, "validations without gain before training stops")
+    patience: int = setting(
+        3,
+        "validations without gain that make a plateau: the cool-down starts there and the night "
+        "ends when it is done (wsd), or the night ends at once (cosine)",
+    )
     patience_after: float = setting(
         0.5,
-        "patience stops training only once this share of the hours is spent: the best adapter "
-        "is kept anyway, and a short round's noisy checks stopped one at 3.2 of its 6 minutes",
+        "a plateau counts only once this share of the hours is spent: a short round's noisy "
+        "checks stopped one at 3.2 of its 6 minutes",
+    )
+    keep_by: str = setting(
+        "agreement",
+        "which check's adapter a night keeps: agreement (the most validation turns whose tool "
+        "greedy decoding names, beyond their noise; the loss breaks ties) or loss (the lowest "
+        "validation loss: it kept an adapter that names one tool for everything)",
+        choices=("agreement", "loss"),
     )
     min_gain: float = setting(
         1e-4, "a validation loss must be lower by more than this to count as a gain"
@@ -149,6 +171,10 @@ class Recipe:
             problems.append("--lr must be between 0 and 1")
         if not 0 <= self.warmup < 1 or not 0 <= self.min_lr_ratio <= 1:
             problems.append("--warmup must be in [0, 1) and --min-lr-ratio in [0, 1]")
+        if not 0 < self.cooldown < 1:
+            problems.append("--cooldown must be in (0, 1)")
+        if self.schedule not in ("wsd", "cosine") or self.keep_by not in ("agreement", "loss"):
+            problems.append("--schedule must be wsd or cosine and --keep-by agreement or loss")
         if self.max_len < self.answer_room + 32:
             problems.append("--max-len must leave room for a prompt beside --answer-room")
         if self.turns is not None and self.turns < 1:

@@ -233,10 +233,13 @@ def train_shares(
                 for s, p in zip(trained.shares, trained.split, strict=True)
             )
         )
+        # One clock for the night: every share's budget ends at the same moment, so they all
+        # cool down together (gbray.schedule), whatever their speed.
+        ends_at = time.time() + recipe.hours * 3600
         refs, at = [], 0
         for share, trainer, part in zip(trained.shares, trainers, trained.split, strict=True):
             share.turns = part
-            refs.append(trainer.train.remote(train[at : at + part], val))
+            refs.append(trainer.train.remote(train[at : at + part], val, ends_at))
             at += part
         _collect(night, trained, trainers, refs, hub)
         for share, share_hub in zip(trained.shares, hubs, strict=True):

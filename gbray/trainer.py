@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from gbray.data.fit import Example, collate, make_examples
-from gbray.model import answer_loss, load_student
+from gbray.model import answer_loss, load_student, validation_rows
 from gbray.platform import set_threads
 from gbray.prefix import (
     common_prefix,
@@ -29,8 +29,10 @@ from gbray.prefix import (
     use_prefix_attention,
 )
 from gbray.results import TrainSummary
+from gbray.schedule import Schedule
 from gbray.settings import Recipe
 from gbray.tuning import Choices, SavedForBackward, autocast, choose, native_bfloat16
+from gbray.validation import Check, keeps, most_right
 
 log = logging.getLogger(__name__)
 
@@ -55,49 +57,9 @@ class NoSync:
         return None
 
 
-@dataclass
-class Plan:
-    """The schedule's shape: re-planned once the real speed is known, so warm-up and cosine fit
-    the steps that will really happen (a cosine that expected 600 steps and got 120 never left
-    its warm-up)."""
-
-    total: int
-    warmup: int
-    replanned_from: int | None = None
-
-
-def make_scheduler(optimizer, plan: Plan, recipe: Recipe, done: int):
-    from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
-
-    # last_epoch=done-1: the new schedule's next step is the `done`-th.
-    return get_cosine_with_min_lr_schedule_with_warmup(
-        optimizer, plan.warmup, plan.total, last_epoch=done - 1, min_lr_rate=recipe.min_lr_ratio
-    )
-
-
 def planned_steps(turns: int, recipe: Recipe) -> int:
     micro = math.ceil(turns * recipe.epochs / recipe.batch)
     return max(1, math.ceil(micro / recipe.accum))
-
-
-def replan(
-    plan: Plan,
-    data_total: int,
-    steps_done: int,
-    seconds_per_step: float,
-    seconds_left: float,
-    recipe: Recipe,
-) -> Plan:
-    """Fit the schedule to the steps the remaining time allows, never past what the data plans."""
-    fit = steps_done + max(0, int(seconds_left / max(seconds_per_step, 1e-9)))
-    total = max(steps_done + 1, min(data_total, fit))
-    if total == plan.total:
-        return plan
-    return Plan(
-        total=total,
-        warmup=math.ceil(recipe.warmup * total),
-        replanned_from=plan.replanned_from or data_total,
-    )
 
 
 def _memory_gb(device: str) -> float:
@@ -110,9 +72,14 @@ def _memory_gb(device: str) -> float:
 
 @dataclass
 class Timing:
-    started: float
+    """The night's clock, in this process's clock: when the budget began (earlier than this
+    process after a crash; the same moment for every share of a night) and ends, and what
+    training has measured of its own speed."""
+
+    night_start: float
     deadline: float
     data_total: int
+    started: float = 0.0  # when this process began training
     speed_from: float = 0.0
     speed_step: int = 1  # the step speed is measured from
     last_val: float = 0.0
@@ -123,14 +90,24 @@ class Timing:
     def __post_init__(self):
         self.speed_from = self.last_val = self.last_save = self.started
 
-    def final_validation_reserve(self, now: float, turn_passes: int, val_turns: int) -> float:
+    def final_validation_reserve(self, now: float, turn_passes: int) -> float:
         """Seconds kept back for the validation that ends training, so the round ends inside its
         hours: the last validation's time, else a forward pass per held-out turn estimated at a
         third of a training pass."""
         if self.val_seconds is not None:
             return self.val_seconds
         per_pass = (now - self.started) / max(1, turn_passes)
-        return per_pass * val_turns / 3
+        return per_pass * self.val_turns / 3
+
+    def training_end(self, now: float, turn_passes: int) -> float:
+        """When training must stop for the final validation to end inside the hours."""
+        return self.deadline - self.final_validation_reserve(now, turn_passes)
+
+    def night(self, now: float, turn_passes: int) -> tuple[float, float, float]:
+        """(seconds into the night, seconds its training lasts, seconds its budget lasts): what
+        the schedule is told."""
+        end = self.training_end(now, turn_passes) - self.night_start
+        return now - self.night_start, end, self.deadline - self.night_start
 
 
 @dataclass
@@ -143,15 +120,28 @@ class TrainState:
     skipped_nan: int = 0
     losses: list = field(default_factory=list)
     seen: set = field(default_factory=set)
-    best_val: float = math.inf
-    best_step: int | None = None
+    checks: list[Check] = field(default_factory=list)
+    kept: int | None = None  # which check's adapter is kept (OUT/best)
     checks_without_gain: int = 0
-    checks: list = field(default_factory=list)
     why: str = "finished"
     shared_steps: int = 0  # optimizer steps whose turns ran their shared prefix once
     shared_pending: bool = False  # the step in progress did
     tokens: int = 0  # tokens of the turns trained
     spared: int = 0  # of those, prefix tokens not run again
+
+    @property
+    def kept_check(self) -> Check | None:
+        return self.checks[self.kept] if self.kept is not None else None
+
+    @classmethod
+    def restored(cls, saved: dict) -> TrainState:
+        return cls(
+            **{
+                **saved,
+                "seen": set(saved["seen"]),
+                "checks": [Check(**c) for c in saved["checks"]],
+            }
+        )
 
 
 RESUME_FILE = "resume.pt"
@@ -318,7 +308,10 @@ class Trainer:
         if self.pause_per_turn:
             time.sleep(self.pause_per_turn * len(turns))
 
-    def optimizer_step(self, state: TrainState, scheduler) -> None:
+    def optimizer_step(self, state: TrainState, rate: float) -> None:
+        """One optimizer step at `rate` with what was accumulated (none: nothing moves)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = rate
         if state.pending:
             torch.nn.utils.clip_grad_norm_(
                 [p for p in self.model.parameters() if p.requires_grad], self.recipe.grad_clip
@@ -330,7 +323,6 @@ class Trainer:
         state.shared_steps += state.shared_pending
         state.shared_pending = False
         state.steps += 1
-        scheduler.step()
 
     def average_with_other_shares(self, turns: int) -> None:
         """Local SGD between shares: the adapter's weights become the turn-weighted average of
@@ -348,55 +340,68 @@ class Trainer:
                     f"averaged with {members - 1} other share(s) ({self.averaged} averages so far)"
                 )
 
-    @torch.no_grad()
-    def validation_loss(self, examples: list[Example]) -> float:
-        """Teacher-forced loss on held-out turns, forward only, weighted by labelled tokens."""
+    def validation_scores(self, examples: list[Example]) -> tuple[float, str]:
+        """Teacher-forced loss on held-out turns (weighted by labelled tokens; NaN if none is
+        finite) and, per turn, whether greedy decoding would name its recorded tool ("1"/"0"):
+        one forward pass each, the prompt prefix they share run once where that is on."""
+        if not examples:
+            return math.nan, ""
+        # Configured (its probes run backward) before the forward passes, which keep no graph.
+        choices = self.configure(max(len(e.input_ids) for e in examples))
         self.model.eval()
-        total, count = 0.0, 0
-        choices = self.configure(max(len(e.input_ids) for e in examples)) if examples else None
-        prefix = prefix_to_share([examples]) if choices and choices.share_prefix else 0
-        if prefix:
-            sums, counts = shared_prefix_sums(
-                self.model,
-                examples,
-                prefix,
-                self.tokenizer.pad_token_id,
-                self.device,
-                lambda: autocast(self.device, choices.autocast),
-            )
-            finite = [(s, n) for s, n in zip(sums, counts, strict=True) if n and math.isfinite(s)]
-            count = sum(n for _, n in finite)
-            return sum(s for s, _ in finite) / count if count else math.nan
-        size = max(1, self.recipe.batch)
-        for i in range(0, len(examples), size):
-            batch = self._to_device(collate(examples[i : i + size], self.tokenizer.pad_token_id))
-            with autocast(self.device, self.configure(batch["input_ids"].numel()).autocast):
-                loss, n = answer_loss(self.model, batch)
-            if torch.isfinite(loss) and n:
-                total += loss.item() * n
-                count += n
-        return total / count if count else math.nan
+        prefix = prefix_to_share([examples]) if choices.share_prefix else 0
+        with torch.no_grad():
+            if prefix:
+                sums, counts, named = shared_prefix_sums(
+                    self.model,
+                    examples,
+                    prefix,
+                    self.tokenizer.pad_token_id,
+                    self.device,
+                    lambda: autocast(self.device, choices.autocast),
+                )
+            else:
+                sums, counts, named = [], [], []
+                size = max(1, self.recipe.batch)
+                for i in range(0, len(examples), size):
+                    part = examples[i : i + size]
+                    batch = self._to_device(collate(part, self.tokenizer.pad_token_id))
+                    wanted = torch.tensor([e.tool_tokens for e in part], device=self.device)
+                    with autocast(self.device, choices.autocast):
+                        s, n, right = validation_rows(self.model, batch, wanted)
+                    sums += s.tolist()
+                    counts += n.tolist()
+                    named += right.tolist()
+        finite = [(s, n) for s, n in zip(sums, counts, strict=True) if n and math.isfinite(s)]
+        count = sum(n for _, n in finite)
+        loss = sum(s for s, _ in finite) / count if count else math.nan
+        return loss, "".join("1" if r else "0" for r in named)
+
+    def validation_loss(self, examples: list[Example]) -> float:
+        return self.validation_scores(examples)[0]
 
     def save(
-        self, name: str, state: TrainState, plan: Plan | None = None, elapsed: float = 0.0
+        self, name: str, state: TrainState, schedule: Schedule | None = None, elapsed: float = 0.0
     ) -> Path:
-        """The adapter in its own folder with trainer_state.json. With `plan`, also everything
-        training needs to carry on from here after a crash: the optimizer, the schedule's shape,
-        the counters and the random state (resume.pt)."""
+        """The adapter in its own folder with trainer_state.json. With `schedule`, also
+        everything training needs to carry on from here after a crash: the optimizer, the
+        schedule, the counters and the random state (resume.pt)."""
         path = self.out / name
         self.model.save_pretrained(path)
+        kept = state.kept_check
         record = {
             "step": state.steps,
             "turn_passes": state.turn_passes,
-            "best_val_loss": state.best_val if math.isfinite(state.best_val) else None,
+            "best_val_loss": kept.loss if kept else None,
+            "best_val_agreement": kept.agreement if kept else None,
             "start": self.start,
         }
         (path / "trainer_state.json").write_text(json.dumps(record))
-        if plan is not None:
+        if schedule is not None:
             torch.save(
                 {
                     "optimizer": self.optimizer.state_dict(),
-                    "plan": dataclasses.asdict(plan),
+                    "schedule": dataclasses.asdict(schedule),
                     "state": {**dataclasses.asdict(state), "seen": sorted(state.seen)},
                     "elapsed": elapsed,
                     "rng": torch.get_rng_state(),
@@ -407,9 +412,9 @@ class Trainer:
             (path / (RESUME_FILE + ".tmp")).replace(path / RESUME_FILE)
         return path
 
-    def resume(self, examples: int) -> tuple[TrainState, Plan, float] | None:
+    def resume(self, examples: int) -> tuple[TrainState, Schedule, float] | None:
         """The state saved in OUT/last, if it is a checkpoint of this same run: loads the adapter's
-        weights and the optimizer's state. Returns (state, plan, elapsed seconds), or None."""
+        weights and the optimizer's state. Returns (state, schedule, elapsed seconds), or None."""
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
@@ -417,7 +422,7 @@ class Trainer:
         if not path.is_file():
             return None
         saved = torch.load(path, weights_only=False)
-        if self.run_id is None or saved.get("run") != self.run_id:
+        if self.run_id is None or saved.get("run") != self.run_id or "schedule" not in saved:
             return None
         if saved["state"]["turn_passes"] > math.ceil(examples * self.recipe.epochs):
             return None
@@ -426,63 +431,76 @@ class Trainer:
         )
         self.optimizer.load_state_dict(saved["optimizer"])
         torch.set_rng_state(saved["rng"])
-        state = TrainState(**{**saved["state"], "seen": set(saved["state"]["seen"])})
+        state = TrainState.restored(saved["state"])
         self.resumed = {"step": state.steps, "optimizer": optimizer_digest(self.optimizer)}
-        return state, Plan(**saved["plan"]), float(saved["elapsed"])
+        return state, Schedule(**saved["schedule"]), float(saved["elapsed"])
 
-    def validate(self, val: list[Example], state: TrainState) -> None:
-        value = self.validation_loss(val)
-        gain = math.isfinite(value) and value < state.best_val - self.recipe.min_gain
-        if gain:
-            state.best_val, state.best_step, state.checks_without_gain = value, state.steps, 0
+    def validate(self, val: list[Example], state: TrainState, schedule: Schedule,
+                 minute: float) -> Check:  # fmt: skip
+        """Loss and agreement on the validation turns; the adapter is kept (OUT/best) where
+        this check beats the one kept so far (`gbray.validation.keeps`)."""
+        began = self.clock()
+        loss, marks = self.validation_scores(val)
+        took = self.clock() - began
+        recent = state.losses[-50:]
+        check = Check(
+            step=state.steps,
+            turns=state.turn_passes,
+            loss=loss if math.isfinite(loss) else None,
+            agreement=round(100 * marks.count("1") / len(marks), 2) if marks else None,
+            marks=marks,
+            lr=self.optimizer.param_groups[0]["lr"],
+            phase=schedule.phase(state.steps),
+            minute=round(minute, 2),
+            train_loss=sum(recent) / len(recent) if recent else None,
+        )
+        top = most_right(state.checks)
+        check.kept = keeps(check, state.kept_check, top, self.recipe.min_gain, self.recipe.keep_by)
+        state.checks.append(check)
+        if check.kept:
+            state.kept, state.checks_without_gain = len(state.checks) - 1, 0
             self.save("best", state)
         else:
             state.checks_without_gain += 1
-        recent = state.losses[-50:]
-        point = {
-            "step": state.steps,
-            "turns": state.turn_passes,
-            "valLoss": value if math.isfinite(value) else None,
-            "trainLoss": sum(recent) / len(recent) if recent else None,
-            "best": gain,  # on the wire a boolean: whether this point is the best so far
-            "bestLoss": state.best_val if math.isfinite(state.best_val) else None,
-            "lr": self.optimizer.param_groups[0]["lr"],
-        }
-        state.checks.append(point)
-        self.on_check(point)
+        self.on_check(check.wire())
+        agreement = "n/a" if check.agreement is None else f"{check.agreement:.1f}%"
         self.report(
-            f"validation at step {state.steps}: loss {value:.4f}"
-            + (" (best)" if gain else f" ({state.checks_without_gain} without gain)")
+            f"validation at step {state.steps} ({check.phase}, lr {check.lr:.1e}): loss "
+            f"{loss:.4f}, agreement {agreement}"
+            + (" (kept)" if check.kept else f" ({state.checks_without_gain} without gain)")
+            + f", {len(val)} turns in {took:.1f} s"
         )
+        return check
 
     def progress_line(
         self,
         state: TrainState,
-        plan: Plan,
+        schedule: Schedule,
         passes_total: int,
         epoch: int,
-        started: float,
-        deadline: float,
+        timing: Timing,
     ) -> str:
         now = self.clock()
-        minutes_in = (now - started) / 60
-        per_step = (now - started) / state.steps if state.steps else None
-        left_by_plan = (plan.total - state.steps) * per_step / 60 if per_step else None
+        minutes_in = (now - timing.night_start) / 60
+        per_step = (now - timing.night_start) / state.steps if state.steps else None
+        left_by_plan = (schedule.total - state.steps) * per_step / 60 if per_step else None
         left = (
-            (deadline - now) / 60
+            (timing.deadline - now) / 60
             if left_by_plan is None
-            else min(left_by_plan, (deadline - now) / 60)
+            else min(left_by_plan, (timing.deadline - now) / 60)
         )
         recent = state.losses[-16:]
         loss = f"{sum(recent) / len(recent):.3f}" if recent else "n/a"
         return (
             f"{state.turn_passes}/{passes_total} turn-passes · epoch {epoch}/{math.ceil(self.recipe.epochs)}"
-            f" · step {state.steps}/{plan.total} ({state.pending_turns}/{self.recipe.accum * self.recipe.batch}"
+            f" · step {state.steps}/{schedule.total} ({state.pending_turns}/{self.recipe.accum * self.recipe.batch}"
             f" turns into the next) · loss {loss} · lr {self.optimizer.param_groups[0]['lr']:.1e}"
+            f" ({schedule.phase(state.steps)})"
             f" · {minutes_in:.0f} min in, about {max(0.0, left):.0f} min left, {_memory_gb(self.device):.1f} GB"
         )
 
-    def _maybe_validate(self, val: list[Example], state: TrainState, timing: Timing) -> bool:
+    def _maybe_validate(self, val: list[Example], state: TrainState, timing: Timing,
+                        schedule: Schedule) -> bool:  # fmt: skip
         recipe = self.recipe
         due_by_time = (
             recipe.val_every_minutes
@@ -492,33 +510,56 @@ class Trainer:
         if not (due_by_time or due_by_steps):
             return False
         began = self.clock()
-        self.validate(val, state)
+        self.validate(val, state, schedule, (began - timing.night_start) / 60)
         timing.last_val = self.clock()
         timing.val_seconds = timing.last_val - began
         spent = 1 - (timing.deadline - self.clock()) / (recipe.hours * 3600)
         if state.checks_without_gain >= recipe.patience and spent >= recipe.patience_after:
-            state.why = "patience"
+            self._plateau(state, timing, schedule)
         return True
 
-    def _replan(self, plan: Plan, scheduler, state: TrainState, timing: Timing):
+    def _plateau(self, state: TrainState, timing: Timing, schedule: Schedule) -> None:
+        """Validation stopped improving: the cool-down starts from where the rate stands (wsd;
+        the night ends when it is done), or the night ends here (cosine, as nights did)."""
+        if schedule.kind == "cosine":
+            state.why = "patience"
+            return
+        if schedule.cool_step is not None or state.steps < schedule.warmup:
+            return  # cooling down already, or still warming up: no plateau to speak of
+        elapsed, end, _ = timing.night(self.clock(), state.turn_passes)
+        schedule.begin_cool_down(state.steps, elapsed, end, "plateau")
+        self.report(
+            f"plateau: {state.checks_without_gain} checks without gain; cooling down from "
+            f"lr {schedule.cool_from:.1e} at step {state.steps}, for about "
+            f"{(schedule.cool_until - schedule.cool_at) / 60:.1f} min, then the night ends"
+        )
+
+    def _replan(self, schedule: Schedule, state: TrainState, timing: Timing) -> None:
         now = self.clock()
         per_step = (now - timing.speed_from) / max(1, state.steps - timing.speed_step)
+        was = schedule.total
         # Training stops where the final validation's time begins, not at the deadline.
-        reserve = timing.final_validation_reserve(now, state.turn_passes, timing.val_turns)
-        new = replan(
-            plan,
-            timing.data_total,
-            state.steps,
-            per_step,
-            timing.deadline - reserve - now,
-            self.recipe,
-        )
-        if new is plan:
-            return plan, scheduler
+        left = timing.training_end(now, state.turn_passes) - now
+        if schedule.replan(state.steps, per_step, left):
+            self.report(
+                f"re-planned: {schedule.total} steps fit the time left (was {was}), "
+                f"warm-up {schedule.warmup}"
+            )
+
+    def _maybe_cool_down(self, schedule: Schedule, state: TrainState, timing: Timing) -> None:
+        elapsed, end, night = timing.night(self.clock(), state.turn_passes)
+        why = schedule.cool_down_due(state.steps, elapsed, night)
+        if why is None:
+            return
+        schedule.begin_cool_down(state.steps, elapsed, end, why)
+        what = {
+            "time": f"the last {schedule.cooldown:.0%} of the night's time",
+            "data": f"the last {schedule.cooldown:.0%} of the slice's steps",
+        }[why]
         self.report(
-            f"re-planned: {new.total} steps fit the time left (was {plan.total}), warm-up {new.warmup}"
+            f"cool-down from step {state.steps}: lr {schedule.cool_from:.1e} to "
+            f"{schedule.floor:.1e} over {what}"
         )
-        return new, make_scheduler(self.optimizer, new, self.recipe, done=state.steps)
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -552,7 +593,11 @@ class Trainer:
         random.Random(f"{self.recipe.seed}:{epoch}").shuffle(order)
         return order
 
-    def train(self, train_turns: list[dict], val_turns: list[dict]) -> TrainSummary:
+    def train(
+        self, train_turns: list[dict], val_turns: list[dict], ends_at: float | None = None
+    ) -> TrainSummary:
+        """Train within the hours; `ends_at` (wall-clock seconds), where given, is when the
+        night's budget ends for every share of it, so they keep one clock."""
         recipe = self.recipe
         examples, shortened = make_examples(
             self.tokenizer, train_turns, recipe.max_len, recipe.answer_room
@@ -564,23 +609,27 @@ class Trainer:
         self.configure(longest_batch(examples, recipe.batch))
         passes_total = math.ceil(len(examples) * recipe.epochs)
         data_total = planned_steps(len(examples), recipe)
-        plan = Plan(total=data_total, warmup=math.ceil(recipe.warmup * data_total))
+        schedule = Schedule.new(
+            recipe.schedule, recipe.lr, recipe.min_lr_ratio, recipe.warmup, data_total,
+            recipe.cooldown,
+        )  # fmt: skip
         state, elapsed = TrainState(), 0.0
         carried = self.resume(len(examples))
         if carried is not None:
-            state, plan, elapsed = carried
+            state, schedule, elapsed = carried
             self.report(
                 f"resumed from the last checkpoint at step {state.steps} "
                 f"({state.turn_passes} turn-passes, {elapsed / 60:.1f} min already spent)"
             )
         # The budget counts what was spent before a crash, and the configuration's probes.
-        started = entered - elapsed
-        deadline = started + recipe.hours * 3600
-        scheduler = make_scheduler(self.optimizer, plan, recipe, done=state.steps)
+        deadline = entered - elapsed + recipe.hours * 3600
+        if ends_at is not None:  # the night's clock (process clocks differ; wall clocks agree)
+            deadline = self.clock() + (ends_at - time.time())
         self.report(
             f"training {len(examples)} turns ({shortened} shortened to fit {recipe.max_len} tokens), "
-            f"{recipe.epochs:g} epochs, {plan.total} steps planned, {recipe.hours * 60:.1f} min budget, "
-            f"{self.threads} threads on {self.device}"
+            f"{recipe.epochs:g} epochs, {schedule.total} steps planned, {recipe.hours * 60:.1f} min budget, "
+            f"{self.threads} threads on {self.device}; schedule {schedule.kind}, validation on "
+            f"{len(val)} turns"
         )
         shared = common_prefix(examples) if self.choices.share_prefix and len(examples) > 1 else 0
         if shared:
@@ -590,13 +639,22 @@ class Trainer:
                 "of a turn): each step runs what its turns share once"
             )
         timing = Timing(
-            started=self.clock(), deadline=deadline, data_total=data_total, val_turns=len(val)
+            night_start=deadline - recipe.hours * 3600,
+            deadline=deadline,
+            data_total=data_total,
+            started=self.clock(),
+            val_turns=len(val),
         )
         speed_passes = -1  # measured from the end of the first step this process takes
         last_note = self.clock()
         first_note_done = False
         n = len(examples)
         epoch = state.turn_passes // n
+
+        def rate() -> float:
+            elapsed, end, _ = timing.night(self.clock(), state.turn_passes)
+            return schedule.rate(state.steps, elapsed, end)
+
         while state.turn_passes < passes_total and state.why == "finished":
             epoch, offset = divmod(state.turn_passes, n)
             order = self._order(n, epoch)
@@ -619,25 +677,26 @@ class Trainer:
                 state.pending_turns += len(chunk)
                 state.seen.update(chunk)
                 if state.micro % recipe.accum == 0:
-                    self.optimizer_step(state, scheduler)
+                    self.optimizer_step(state, rate())
                     if self.sync.due(self.clock()):
                         self.average_with_other_shares(n)
                     if speed_passes == -1:
                         # The first step carries start-up costs; speed is measured from its end.
                         timing.speed_from, speed_passes = self.clock(), state.turn_passes
                         timing.speed_step = state.steps
-                    validated = self._maybe_validate(val, state, timing)
+                    self._maybe_cool_down(schedule, state, timing)
+                    validated = self._maybe_validate(val, state, timing, schedule)
                     if state.steps == REPLAN_AFTER_STEPS or (
                         validated and state.steps > REPLAN_AFTER_STEPS
                     ):
-                        plan, scheduler = self._replan(plan, scheduler, state, timing)
-                    if state.steps >= plan.total:
-                        # Faster than predicted: hold the floor instead of letting the cosine climb back.
-                        for group in self.optimizer.param_groups:
-                            group["lr"] = recipe.lr * recipe.min_lr_ratio
+                        self._replan(schedule, state, timing)
+                    if schedule.cool_why == "plateau":
+                        elapsed, end, _ = timing.night(self.clock(), state.turn_passes)
+                        if schedule.cooled(state.steps, elapsed, end) >= 1:
+                            state.why = "plateau"
                     if self.clock() - timing.last_save >= recipe.last_every_minutes * 60:
-                        spent = self.clock() - started
-                        self.on_saved("last", self.save("last", state, plan, spent))
+                        spent = self.clock() - timing.night_start
+                        self.on_saved("last", self.save("last", state, schedule, spent))
                         timing.last_save = self.clock()
                 now = self.clock()
                 if (
@@ -645,11 +704,10 @@ class Trainer:
                 ) or now - last_note >= recipe.progress_every_minutes * 60:
                     first_note_done, last_note = True, now
                     self.report(
-                        self.progress_line(state, plan, passes_total, epoch + 1, started, deadline)
+                        self.progress_line(state, schedule, passes_total, epoch + 1, timing)
                     )
                 if state.why == "finished":
-                    reserve = timing.final_validation_reserve(now, state.turn_passes, len(val))
-                    if now >= deadline - reserve:
+                    if now >= timing.training_end(now, state.turn_passes):
                         state.why = "time"
                     elif self.should_stop():
                         state.why = "stopped"
@@ -662,30 +720,41 @@ class Trainer:
         else:
             if state.pending:
                 # The leftover gradient of a partial accumulation is applied, not thrown away.
-                self.optimizer_step(state, scheduler)
-            if not state.checks or state.checks[-1]["step"] != state.steps:
-                self.validate(val, state)
+                self.optimizer_step(state, rate())
+            if not state.checks or state.checks[-1].step != state.steps:
+                self.validate(val, state, schedule, (self.clock() - timing.night_start) / 60)
             self.save("last", state)
-            if state.best_step is None:
+            if state.kept is None:
                 self.save("best", state)
-            self.report(self.progress_line(state, plan, passes_total, epoch + 1, started, deadline))
-        minutes = (self.clock() - started) / 60
+            self.report(self.progress_line(state, schedule, passes_total, epoch + 1, timing))
+        minutes = (self.clock() - timing.night_start) / 60
         measured = self.clock() - timing.speed_from
-        self.report(f"training stopped ({state.why}) after {state.steps} steps, {minutes:.1f} min")
+        kept = state.kept_check
+        self.report(
+            f"training stopped ({state.why}) after {state.steps} steps, {minutes:.1f} min; kept "
+            + (
+                f"step {kept.step} ({kept.phase}): agreement {kept.agreement}%, loss {kept.loss:.4f}"
+                if kept and kept.loss is not None
+                else "the last step's adapter"
+            )
+        )
         return TrainSummary(
             steps=state.steps,
-            planned_steps=plan.total,
-            replanned_from=plan.replanned_from,
+            planned_steps=schedule.total,
+            replanned_from=schedule.replanned_from,
             turn_passes=state.turn_passes,
             turns_trained=len(state.seen),
             epochs_done=round(state.turn_passes / n, 3),
             shortened=shortened,
             skipped_nan=state.skipped_nan,
             mean_loss=sum(state.losses) / len(state.losses) if state.losses else None,
-            best_val_loss=state.best_val if math.isfinite(state.best_val) else None,
-            best_step=state.best_step,
-            checks=state.checks,
+            best_val_loss=kept.loss if kept else None,
+            best_step=kept.step if kept else None,
+            best_val_agreement=kept.agreement if kept else None,
+            checks=[c.record() for c in state.checks],
             why=state.why,
+            schedule=schedule.record(),
+            val_turns=len(val),
             minutes=round(minutes, 2),
             final_lr=self.optimizer.param_groups[0]["lr"],
             best=str(self.out / "best"),

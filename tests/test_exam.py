@@ -165,6 +165,29 @@ def test_the_fast_exam_names_the_same_tool_as_plain_generate_on_the_tiny_student
             assert f.tokens == q.tokens
 
 
+def test_validation_names_the_tool_on_the_turns_the_exam_does(learnable, tmp_path):
+    """Greedy decoding follows the recorded answer up to the end of its tool's name exactly
+    when each of those tokens is the argmax under teacher forcing: a validation pass marks
+    the same turns right as the exam (SPEC §5)."""
+    from gbray.data.fit import make_examples
+    from gbray.examiner import Examiner
+    from gbray.settings import ExamMode, Recipe
+    from gbray.trainer import Trainer
+
+    data, student = learnable
+    paper = paper_from(data, 60)
+    recipe = Recipe(max_len=768, exam_batch=16, threads=2, device="cpu", precision="float32")
+    exam = Examiner(str(student), None, "float32", 2, "cpu").exam(
+        paper, 320, 768, ExamMode.of(recipe)
+    )
+    # A fresh LoRA is the bare student (its B matrices are zero).
+    trainer = Trainer(str(student), None, recipe, tmp_path)
+    examples, _ = make_examples(trainer.tokenizer, paper, 768, recipe.answer_room)
+    _, marks = trainer.validation_scores(examples)
+    assert 3 <= marks.count("1") < len(marks), marks  # the pre-trained student names tools
+    assert marks == exam.marks
+
+
 def test_the_fast_exam_matches_plain_generate_on_a_random_weight_qwen2(raw_student, corpus):
     """Random weights: 320 tokens of nonsense on every turn, the longest answers there are;
     every token must match, except across a near-tie."""

@@ -149,7 +149,21 @@ def test_notes_checks_stop_and_end(hub):
     detail = api(hub, "GET", f"/v1/training/rounds/{rid}").json()
     assert [n["line"] for n in detail["notes"]] == ["hello", "more"]
     assert detail["checks"][0]["valLoss"] == 0.5 and detail["checks"][0]["best"] is True
+    # The field's check carries no agreement and no phase: both read back as null.
+    assert detail["checks"][0]["valAgreement"] is None and detail["checks"][0]["phase"] is None
     assert detail["status"] == "stopped" and detail["baseline"] == 1.0
+
+
+def test_a_check_carries_the_agreement_and_the_phase(hub):
+    rid = new_round(hub)
+    point = {"step": 9, "valLoss": 0.4, "best": False, "lr": 2e-4, "valAgreement": 62.5,
+             "phase": "cool-down"}  # fmt: skip
+    assert api(hub, "POST", f"/v1/training/rounds/{rid}/check", json=point).json() == {}
+    for wrong in ({"valAgreement": 100.5}, {"valAgreement": -1}, {"phase": "<b>late</b>"}):
+        r = api(hub, "POST", f"/v1/training/rounds/{rid}/check", json={"step": 10, **wrong})
+        assert r.status_code == 422, r.text
+    (check,) = api(hub, "GET", f"/v1/training/rounds/{rid}").json()["checks"]
+    assert check["valAgreement"] == 62.5 and check["phase"] == "cool-down"
 
 
 def test_concurrent_slices_are_disjoint_and_coverage_counts_trained(hub):

@@ -46,6 +46,10 @@ def test_device_markup_is_shown_as_text_and_never_run(tmp_path):
         post(f"/v1/training/rounds/{rid}/note", {"line": markup(5)})
         post(f"/v1/training/rounds/{rid}/check", {"step": 1, "valLoss": 0.5, "trainLoss": 0.6})
         post(
+            f"/v1/training/rounds/{rid}/check",
+            {"step": 2, "valLoss": 0.4, "valAgreement": 40.0, "phase": "cool-down", "best": True},
+        )
+        post(
             f"/v1/training/rounds/{rid}/end",
             {
                 "status": "done",
@@ -91,3 +95,5 @@ def test_device_markup_is_shown_as_text_and_never_run(tmp_path):
     for i in (0, 3, 5, 10, 11, 13, 14):
         assert f"#{i}" in dom, (i, shown)
     assert "&lt;img src=x onerror=" in dom
+    # The curve drew the agreement (its right axis) and shaded the cool-down.
+    assert "100%" in dom and "#fdf1dc" in dom

@@ -8,7 +8,7 @@ from gbray.data.fit import IGNORE, make_example
 from gbray.data.turns import index_folder
 from gbray.prefix import _PrefixAndOwn, common_prefix, groups, saving
 from gbray.settings import Recipe
-from gbray.trainer import Plan, Trainer, TrainState, make_scheduler
+from gbray.trainer import Trainer, TrainState
 from gbray.tuning import choose
 
 
@@ -60,7 +60,6 @@ def _train_steps(student, turns, out, windows, **kw):
     r = trainer.recipe
     examples = [make_example(trainer.tokenizer, t, r.max_len, r.answer_room) for t in turns]
     state = TrainState()
-    scheduler = make_scheduler(trainer.optimizer, Plan(10, 0), r, 0)
     size = r.batch * r.accum
     first = {}
     for w in range(windows):
@@ -70,7 +69,7 @@ def _train_steps(student, turns, out, windows, **kw):
         if not first:
             lora = trainer.model.named_parameters()
             first = {n: p.grad.clone() for n, p in lora if "lora_" in n}
-        trainer.optimizer_step(state, scheduler)
+        trainer.optimizer_step(state, r.lr)
     return trainer, state, first
 
 
@@ -144,7 +143,7 @@ def test_a_non_finite_turn_in_a_shared_step_is_skipped_and_counted(raw_student, 
     trainer.accumulate(window, state)
     assert state.shared_pending and state.skipped_nan == 1
     assert state.micro == 4 and state.pending == 3 and len(state.losses) == 3
-    trainer.optimizer_step(state, make_scheduler(trainer.optimizer, Plan(10, 0), r, 0))
+    trainer.optimizer_step(state, r.lr)
     lora = [p for n, p in trainer.model.named_parameters() if "lora_" in n]
     assert all(torch.isfinite(p).all() for p in lora)
     assert any(p.abs().sum() > 0 for n, p in trainer.model.named_parameters() if "lora_B" in n)

@@ -413,7 +413,7 @@ def test_stop_during_training(hub, corpus, raw_student, tmp_path):
         "1",
         "--skip-baseline",
         "--val-every-minutes",
-        "30",
+        "0.05",
         "--slice",
         "400",
         "--max-len",
@@ -421,7 +421,8 @@ def test_stop_during_training(hub, corpus, raw_student, tmp_path):
         "--threads",
         "2",
     )
-    rid = wait_for_note(hub, proc, "turn-passes")
+    # Stopped once a validation has kept an adapter: that adapter stays, nothing more is made.
+    rid = wait_for_note(hub, proc, "(kept)")
     asked = time.monotonic()
     assert requests.post(
         f"{hub.url}/v1/training/rounds/{rid}/stop", headers=hub.headers("owner"), timeout=10
@@ -436,9 +437,16 @@ def test_stop_during_training(hub, corpus, raw_student, tmp_path):
     assert record["result"] is None and "exam_pids" not in record
     on_hub = get(hub, f"/v1/training/rounds/{rid}").json()
     assert on_hub["status"] == "stopped"
-    # Nothing more was trained, validated or uploaded after the stop.
+    # Nothing more was trained, validated or uploaded after the stop; the adapter kept before
+    # it is on disk and named in round.json.
     assert get(hub, f"/v1/training/adapters/{rid}").status_code == 404
-    assert not (out / "best").exists()
+    kept = record["kept"]
+    assert kept["adapter"] == str(out / "best") and kept["step"] >= 1
+    assert (out / "best" / "adapter_model.safetensors").is_file()
+    # (A later check than the hub has seen may have been kept just before the stop.)
+    checks = get(hub, f"/v1/training/rounds/{rid}").json()["checks"]
+    assert kept["step"] >= min(c["step"] for c in checks if c["best"])
+    assert kept["val_agreement"] is not None
 
 
 def test_a_trial_of_a_candidate_that_cannot_load_ends_failed_on_the_hub(

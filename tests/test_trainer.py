@@ -1,3 +1,4 @@
+import json
 from pathlib import Path
 
 import pytest
@@ -5,8 +6,9 @@ import torch
 
 from gbray.data.fit import IGNORE, make_example
 from gbray.data.turns import index_folder
+from gbray.schedule import Schedule
 from gbray.settings import Recipe
-from gbray.trainer import Plan, Trainer, TrainState, make_scheduler, planned_steps, replan
+from gbray.trainer import Trainer, TrainState, planned_steps
 
 
 def recipe(**kw):
@@ -37,33 +39,27 @@ def recipe(**kw):
 
 def test_replan_ends_the_cosine_at_the_floor():
     r = recipe(lr=1e-3, min_lr_ratio=0.1, warmup=0.05)
-    param = torch.nn.Parameter(torch.zeros(1))
-    opt = torch.optim.AdamW([param], lr=r.lr)
-    plan = Plan(total=600, warmup=30)
-    sched = make_scheduler(opt, plan, r, done=0)
+    schedule = Schedule.new("cosine", r.lr, r.min_lr_ratio, r.warmup, 600, r.cooldown)
+    assert (schedule.total, schedule.warmup) == (600, 30)
     lrs = []
-    for step in range(1, 121):
-        opt.step()
-        sched.step()
-        lrs.append(opt.param_groups[0]["lr"])
-        if step == 5:
+    for step in range(120):
+        lrs.append(schedule.rate(step, 0.0, 1.0))
+        if step + 1 == 5:
             # 5 steps took 10 s each and 1150 s are left: 115 more fit, not 595.
-            new = replan(plan, 600, 5, 10.0, 1150.0, r)
-            assert new.total == 120 and new.warmup == 6 and new.replanned_from == 600
-            plan = new
-            sched = make_scheduler(opt, plan, r, done=5)
-    assert lrs[-1] == pytest.approx(r.lr * r.min_lr_ratio, rel=1e-6)
+            assert schedule.replan(5, 10.0, 1150.0)
+            assert schedule.total == 120 and schedule.warmup == 6
+            assert schedule.replanned_from == 600
+    assert schedule.rate(120, 0.0, 1.0) == pytest.approx(r.lr * r.min_lr_ratio, rel=1e-6)
     assert max(lrs) == pytest.approx(r.lr, rel=0.02)  # it did leave its warm-up
 
 
 def test_replan_never_goes_past_the_data_plan():
     r = recipe()
-    plan = Plan(total=50, warmup=3)
-    assert replan(plan, 50, 5, 1.0, 10_000.0, r) is plan
-    shrunk = replan(plan, 50, 5, 1.0, 20.0, r)
-    assert shrunk.total == 25
+    schedule = Schedule.new("cosine", r.lr, r.min_lr_ratio, r.warmup, 50, r.cooldown)
+    assert not schedule.replan(5, 1.0, 10_000.0)
+    assert schedule.replan(5, 1.0, 20.0) and schedule.total == 25
     # Faster than the first estimate: it grows back, but never past the data's 50.
-    assert replan(shrunk, 50, 10, 1.0, 10_000.0, r).total == 50
+    assert schedule.replan(10, 1.0, 10_000.0) and schedule.total == 50
 
 
 def test_planned_steps_counts_accumulation():
@@ -85,10 +81,7 @@ def test_nan_guard_skips_and_counts(raw_student, turns, tmp_path):
     assert trainer.micro_step([masked], state) is None
     assert state.skipped_nan == 1 and state.pending == 0
     assert trainer.micro_step([good], state) is not None
-    sched = make_scheduler(
-        trainer.optimizer, Plan(10, 0), trainer.recipe, 0
-    )  # no warm-up: lr > 0 at once
-    trainer.optimizer_step(state, sched)
+    trainer.optimizer_step(state, trainer.recipe.lr)
     lora = [p for n, p in trainer.model.named_parameters() if "lora_" in n]
     assert lora and all(torch.isfinite(p).all() for p in lora)
     assert any(p.abs().sum() > 0 for n, p in trainer.model.named_parameters() if "lora_B" in n)
@@ -118,16 +111,98 @@ def test_short_budget_stops_on_time_and_still_writes_adapters(raw_student, turns
 
 
 @pytest.mark.parametrize("after, why", [(0.0, "patience"), (0.5, "finished")])
-def test_patience_stops_training_only_once_its_share_of_the_hours_is_spent(
+def test_a_plateau_ends_a_cosine_night_only_once_its_share_of_the_hours_is_spent(
     raw_student, turns, tmp_path, after, why
 ):
     # Every check after the first is "without gain" (a gain must beat the best by 1e9), so one
     # such check is patience enough; an hour's budget is far from half spent in these seconds.
     trainer = Trainer(
         str(raw_student), None,
-        recipe(accum=1, val_every_steps=1, patience=1, min_gain=1e9, patience_after=after),
+        recipe(accum=1, val_every_steps=1, patience=1, min_gain=1e9, patience_after=after,
+               schedule="cosine"),
         tmp_path,
     )  # fmt: skip
     summary = trainer.train(turns[:12], turns[30:34])
     assert summary.why == why
     assert summary.steps == (2 if why == "patience" else 6)
+
+
+def test_a_night_whose_validation_stalls_cools_down_before_it_ends(raw_student, turns, tmp_path):
+    # Validation never gains after its first check (min_gain 1e9; the raw student names no
+    # tool, so agreement ties): a plateau as soon as the warm-up is done, far from the end of
+    # the data (40 epochs) and of the hour. The night cools down from there, then ends.
+    r = recipe(accum=1, epochs=40, val_every_steps=1, patience=1, min_gain=1e9, patience_after=0)
+    trainer = Trainer(str(raw_student), None, r, tmp_path)
+    lines = []
+    trainer.report = lines.append
+    summary = trainer.train(turns[:12], turns[30:34])
+    assert summary.why == "plateau"
+    assert summary.schedule["cooldown_why"] == "plateau"
+    assert summary.steps < summary.planned_steps  # it ended early, but only after cooling down
+    phases = [c["phase"] for c in summary.checks]
+    # A plateau counts only once the warm-up is done; the night ends cooled down.
+    order = ["warm-up", "stable", "cool-down"]
+    assert [order.index(p) for p in phases] == sorted(order.index(p) for p in phases)
+    assert "stable" in phases and phases[-1] == "cool-down"
+    cooling = [c["lr"] for c in summary.checks if c["phase"] == "cool-down"]
+    assert cooling[0] < r.lr and cooling[-1] == pytest.approx(r.lr * r.min_lr_ratio, rel=1e-6)
+    assert cooling == sorted(cooling, reverse=True)
+    assert any(line.startswith("plateau:") for line in lines)
+
+
+@pytest.mark.parametrize("keep_by, kept_step", [("agreement", 1), ("loss", 6)])
+def test_the_kept_adapter_has_the_best_agreement_not_the_lowest_loss(
+    raw_student, turns, tmp_path, keep_by, kept_step
+):
+    # Six checks, scripted where the two measures disagree: the first names 40 of 64 turns
+    # right; the later ones have lower losses but name only 20 of those 40 (an adapter falling
+    # towards one tool for everything), or the same 40 with a higher loss.
+    right_40, right_20 = "1" * 40 + "0" * 24, "1" * 20 + "0" * 44
+    script = iter([(0.50, right_40), (0.30, right_20), (0.60, right_40), (0.30, right_20),
+                   (0.28, right_20), (0.25, right_20)])  # fmt: skip
+    trainer = Trainer(
+        str(raw_student), None,
+        recipe(accum=1, val_every_steps=1, patience=100, keep_by=keep_by), tmp_path,
+    )  # fmt: skip
+    trainer.validation_scores = lambda examples: next(script)
+    summary = trainer.train(turns[:12], turns[30:34])
+    assert summary.steps == 6 and len(summary.checks) == 6
+    assert summary.best_step == kept_step
+    saved = json.loads((tmp_path / "best" / "trainer_state.json").read_text())
+    assert saved["step"] == kept_step
+    if keep_by == "agreement":
+        assert summary.best_val_agreement == pytest.approx(62.5)
+        assert summary.best_val_loss == 0.50
+        assert [c["kept"] for c in summary.checks] == [True] + [False] * 5
+
+
+def test_shares_of_one_night_cool_down_together_whatever_their_speed(raw_student, turns, tmp_path):
+    # Two trainers of one night (one clock: the same wall-clock end), one slowed to a fraction
+    # of the other's speed, with more epochs than either can train: both begin the cool-down
+    # when a fifth of the night is left, within one of the slow trainer's steps.
+    import threading
+    import time
+
+    night = 16.0
+    r = recipe(hours=night / 3600, epochs=200, accum=1, val_every_minutes=0.1)
+    fast = Trainer(str(raw_student), None, r, tmp_path / "fast")
+    slow = Trainer(str(raw_student), None, r, tmp_path / "slow", pause_per_turn=0.15)
+    ends_at = time.time() + night
+    done = {}
+
+    def train(name, trainer):
+        done[name] = trainer.train(turns[:12], turns[30:34], ends_at)
+
+    runs = [threading.Thread(target=train, args=pair) for pair in (("fast", fast), ("slow", slow))]
+    for run in runs:
+        run.start()
+    for run in runs:
+        run.join()
+    assert done["fast"].steps > 2 * done["slow"].steps
+    began = []
+    for summary in done.values():
+        assert summary.why == "time" and summary.schedule["cooldown_why"] == "time"
+        began.append(summary.schedule["cooldown_began_minute"] * 60)
+        assert summary.checks[-1]["phase"] == "cool-down"
+    slow_step = 2 * 0.15 + 0.3  # two turns' pause and the step itself, with room
+    assert all(abs(b - 0.8 * night) <= slow_step for b in began), began

@@ -9,9 +9,12 @@ latest page, the ones between are earlier observations.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 IGNORE = -100
+# An answer's tool: the first complete "tool": "NAME" it contains (as the exam reads it).
+_ANSWER_TOOL = re.compile(r'"tool"\s*:\s*"([^"\\]+)"')
 
 
 def chat_prompt_ids(tokenizer, system: str, user: str) -> list[int]:
@@ -34,6 +37,23 @@ def chat_prompt_ids(tokenizer, system: str, user: str) -> list[int]:
 def answer_ids(tokenizer, answer: str) -> list[int]:
     ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
     return list(ids) + [tokenizer.eos_token_id]
+
+
+def tool_tokens(tokenizer, answer: str, ids: list[int]) -> int:
+    """How many of the answer's first tokens (`ids`, its tokenization) it takes to spell it up to
+    the closing quote of its tool's name; 0 where it names no tool. Greedy decoding names the
+    recorded tool by that path exactly when each of these tokens is the argmax under teacher
+    forcing, so a validation forward pass tells what the exam would (SPEC §5)."""
+    match = _ANSWER_TOOL.search(answer)
+    if not match:
+        return 0
+    text = ""
+    for k, token in enumerate(ids, start=1):
+        # Decoding a growing prefix is exact for any tokenizer; answers are a few dozen tokens.
+        text = tokenizer.decode(ids[:k]) if k > 1 else tokenizer.decode([token])
+        if len(text) >= match.end():
+            return k
+    return 0
 
 
 def _split_user(user: str) -> tuple[str, list[str], str]:
@@ -102,6 +122,8 @@ class Example:
     labels: list[int]
     tool: str
     shortened: bool
+    # The answer's first tokens that spell its tool's name (`tool_tokens`); 0: not checked.
+    tool_tokens: int = 0
 
 
 def make_example(tokenizer, turn: dict, max_len: int, answer_room: int) -> Example:
@@ -110,7 +132,13 @@ def make_example(tokenizer, turn: dict, max_len: int, answer_room: int) -> Examp
     room = min(len(answer), answer_room)
     prompt, shortened = fit_prompt(tokenizer, turn["system"], turn["user"], max_len - room)
     answer = answer[: max_len - len(prompt)]
-    return Example(prompt + answer, [IGNORE] * len(prompt) + answer, turn["tool"], shortened)
+    return Example(
+        prompt + answer,
+        [IGNORE] * len(prompt) + answer,
+        turn["tool"],
+        shortened,
+        tool_tokens(tokenizer, turn["answer"], answer),
+    )
 
 
 def make_examples(

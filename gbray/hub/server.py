@@ -136,6 +136,9 @@ class CheckBody(Body):
     trainLoss: Finite | None = None
     best: bool | None = None  # whether this point is the best so far
     lr: Finite | None = None
+    # gbray's devices add these; the field's omit them.
+    valAgreement: Annotated[float, Field(ge=0, le=100, allow_inf_nan=False)] | None = None
+    phase: Literal["warm-up", "stable", "cool-down", "cosine"] | None = None
 
 
 class ExamBody(Body):

@@ -39,7 +39,8 @@ CREATE TABLE IF NOT EXISTS notes (seq INTEGER PRIMARY KEY AUTOINCREMENT, round T
     at REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS notes_round ON notes(round, seq);
 CREATE TABLE IF NOT EXISTS checks (seq INTEGER PRIMARY KEY AUTOINCREMENT, round TEXT NOT NULL, step INTEGER,
-    turns INTEGER, val_loss REAL, train_loss REAL, best REAL, lr REAL, at REAL NOT NULL);
+    turns INTEGER, val_loss REAL, train_loss REAL, best REAL, lr REAL, at REAL NOT NULL,
+    val_agreement REAL, phase TEXT);
 CREATE TABLE IF NOT EXISTS baselines (
     scope TEXT, base TEXT, paper TEXT, turns INTEGER, answer INTEGER, student TEXT, value REAL, by TEXT,
     claimed REAL, body TEXT, PRIMARY KEY (scope, base, paper, turns, answer, student));
@@ -87,10 +88,15 @@ class Store:
             db.execute("PRAGMA journal_mode=WAL")
             db.executescript(SCHEMA)
             # Columns added since the first hubs; their databases gain them on start.
-            for table, column in (("baselines", "body"), ("rounds", "token")):
+            for table, column, kind in (
+                ("baselines", "body", "TEXT"),
+                ("rounds", "token", "TEXT"),
+                ("checks", "val_agreement", "REAL"),
+                ("checks", "phase", "TEXT"),
+            ):
                 names = {r["name"] for r in db.execute(f"PRAGMA table_info({table})")}
                 if column not in names:
-                    db.execute(f"ALTER TABLE {table} ADD COLUMN {column} TEXT")
+                    db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
 
     @contextmanager
     def connect(self):
@@ -289,8 +295,8 @@ class Store:
         with self.transaction() as db:
             stop = self._touch(db, round_id, who)
             db.execute(
-                "INSERT INTO checks (round, step, turns, val_loss, train_loss, best, lr, at) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO checks (round, step, turns, val_loss, train_loss, best, lr, at, "
+                "val_agreement, phase) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     round_id,
                     point.get("step"),
@@ -300,6 +306,8 @@ class Store:
                     None if point.get("best") is None else int(bool(point["best"])),
                     point.get("lr"),
                     time.time(),
+                    point.get("valAgreement"),
+                    point.get("phase"),
                 ),
             )
         return stop
@@ -367,7 +375,8 @@ class Store:
             out["checks"] = [
                 {**dict(r), "best": None if r["best"] is None else bool(r["best"])}
                 for r in db.execute(
-                    "SELECT step, turns, val_loss AS valLoss, train_loss AS trainLoss, best, lr, at FROM checks "
+                    "SELECT step, turns, val_loss AS valLoss, train_loss AS trainLoss, best, lr, at, "
+                    "val_agreement AS valAgreement, phase FROM checks "
                     "WHERE round = ? ORDER BY seq",
                     (round_id,),
                 )

@@ -85,9 +85,10 @@ function roundRow(r, sv) {
 }
 
 function curve(points) {
-  const box = $("curve"), W = 640, H = 220, P = 30;
+  const box = $("curve"), W = 640, H = 220, P = 34;
   const val = points.filter((p) => num(p.valLoss) !== null && num(p.step) !== null);
   const tr = points.filter((p) => num(p.trainLoss) !== null && num(p.step) !== null);
+  const agr = points.filter((p) => num(p.valAgreement) !== null && num(p.step) !== null);
   if (!val.length) {
     const t = svg("text", { x: 10, y: 20, fill: "#777" });
     t.textContent = "no validation yet";
@@ -98,17 +99,30 @@ function curve(points) {
   const xs = val.concat(tr).map((p) => p.step), x0 = Math.min(...xs), x1 = Math.max(...xs, x0 + 1);
   const y0 = Math.min(...all), y1 = Math.max(...all, y0 + 1e-6);
   const X = (s) => P + (W - 2 * P) * (s - x0) / (x1 - x0), Y = (v) => H - P - (H - 2 * P) * (v - y0) / (y1 - y0);
-  const parts = [
-    svg("line", { x1: P, y1: H - P, x2: W - P, y2: H - P, stroke: "#999" }),
-    svg("line", { x1: P, y1: P, x2: P, y2: H - P, stroke: "#999" }),
-  ];
-  const label = (x, y, s) => { const t = svg("text", { x, y, "font-size": 11 }); t.textContent = s; return t; };
+  const A = (v) => H - P - (H - 2 * P) * v / 100;  // agreement, 0-100 %, on the right axis
+  const parts = [];
+  // The cool-down, shaded from its first check to the last.
+  const cooling = points.filter((p) => p.phase === "cool-down" && num(p.step) !== null);
+  if (cooling.length) {
+    const c0 = X(Math.min(...cooling.map((p) => p.step))), c1 = X(Math.max(...cooling.map((p) => p.step)));
+    parts.push(svg("rect", { x: c0, y: P, width: Math.max(2, c1 - c0), height: H - 2 * P, fill: "#fdf1dc" }));
+  }
+  parts.push(svg("line", { x1: P, y1: H - P, x2: W - P, y2: H - P, stroke: "#999" }),
+    svg("line", { x1: P, y1: P, x2: P, y2: H - P, stroke: "#999" }));
+  const label = (x, y, s, color = "#222") => {
+    const t = svg("text", { x, y, "font-size": 11, fill: color }); t.textContent = s; return t;
+  };
   parts.push(label(P, H - 8, "step " + x0), label(W - P - 60, H - 8, "step " + x1),
     label(2, P - 8, y1.toFixed(3)), label(2, H - P + 12, y0.toFixed(3)));
-  for (const [ps, key, color] of [[tr, "trainLoss", "#aaa"], [val, "valLoss", "#1f5fd1"]]) {
+  if (agr.length) {
+    parts.push(svg("line", { x1: W - P, y1: P, x2: W - P, y2: H - P, stroke: "#999" }),
+      label(W - P - 8, P - 8, "100%", "#0a7a2f"), label(W - P + 2, H - P + 12, "0%", "#0a7a2f"));
+  }
+  for (const [ps, at, color] of [[tr, (p) => Y(p.trainLoss), "#aaa"], [val, (p) => Y(p.valLoss), "#1f5fd1"],
+    [agr, (p) => A(p.valAgreement), "#0a7a2f"]]) {
     parts.push(svg("polyline", { fill: "none", stroke: color, "stroke-width": 2,
-      points: ps.map((p) => X(p.step) + "," + Y(p[key])).join(" ") }));
-    for (const p of ps) parts.push(svg("circle", { cx: X(p.step), cy: Y(p[key]), r: 3, fill: color }));
+      points: ps.map((p) => X(p.step) + "," + at(p)).join(" ") }));
+    for (const p of ps) parts.push(svg("circle", { cx: X(p.step), cy: at(p), r: p.best === true ? 5 : 3, fill: color }));
   }
   box.replaceChildren(...parts);
 }

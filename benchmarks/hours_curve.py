@@ -1,0 +1,193 @@
+"""Does a longer night make a better adapter? The hours curve: nights of H, 2H and 4H minutes
+(H = 3 by default), seeds 1 2 3, each with the chosen schedule (`wsd`: warm-up, the peak held, a
+cool-down over the last fifth or from a plateau; the adapter kept by validation agreement) and
+with the schedule nights had before (`cosine`: cosine fitted to the time, a plateau ends the
+night, the adapter kept by validation loss), in the same run.
+
+Each night is one `gbray round` command on the tiny student with `--threads 1` and no recipe flag
+but the schedule's: the student's own recipe, as a new user runs it. The two schedules of one
+seed and length run side by side (two processes, one thread each, on two cores), so they share
+whatever else the machine is doing. The corpus is `gbray synth --wording alt` (a wording the
+student was not pre-trained on, 40 invented tools) with more training turns than the longest
+night takes.
+
+Prints one JSON object: every night (result, baseline, kept step, why it ended, steps,
+turn-passes), per schedule the mean result at each length with its spread, and the issue's
+checks: 2H >= H + 3 points, 4H >= 2H on the means, and no seed's longer night more than two
+turns below its shorter night.
+
+    python benchmarks/hours_curve.py                      # about 80 minutes on 2 cores
+    python benchmarks/hours_curve.py --minutes 1 --seeds 1 --doublings 1   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from gbray.data.synth import SynthSettings, write_corpus
+from gbray.student import StudentSettings, build_student
+
+# What each schedule means here: the flags a night adds to the student's own recipe.
+SCHEDULES = {
+    "wsd": ["--schedule", "wsd", "--keep-by", "agreement"],
+    "cosine": ["--schedule", "cosine", "--keep-by", "loss"],
+}
+
+
+def prepare(work: Path, turns: int) -> tuple[Path, Path]:
+    data, student = work / "data", work / "student"
+    if not (student / "config.json").is_file():
+        write_corpus(
+            SynthSettings(out=data, turns=turns, eval_turns=600, seed=5, wording="alt")
+        )  # fmt: skip
+        build_student(StudentSettings(data=data, out=student, pretrain_steps=450, seed=0))
+    return data, student
+
+
+def night(data: Path, student: Path, out: Path, minutes: float, seed: int, schedule: str,
+          paper: int) -> dict:  # fmt: skip
+    if not (out / "round.json").is_file():
+        run = subprocess.run(
+            [
+                sys.executable, "-m", "gbray.cli", "round", "--data", str(data),
+                "--model", str(student), "--out", str(out), "--hours", str(minutes / 60),
+                "--seed", str(seed), "--threads", "1", "--exam-turns", str(paper),
+                *SCHEDULES[schedule],
+            ],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        if run.returncode != 0:
+            raise SystemExit(f"the night {out.name} failed:\n{run.stderr[-3000:]}")
+    record = json.loads((out / "round.json").read_text())
+    kept = next((c for c in record.get("checks", []) if c["step"] == record["best_step"]), {})
+    return {
+        "schedule": schedule,
+        "minutes": minutes,
+        "seed": seed,
+        "result_pct": record["result"]["agreement_pct"],
+        "baseline_pct": record["baseline"]["agreement_pct"],
+        "paper_turns": record["result"]["turns"],
+        "why": record["why"],
+        "steps": record["steps"],
+        "kept_step": record["best_step"],
+        "kept_phase": kept.get("phase"),
+        "kept_val_agreement": record.get("best_val_agreement"),
+        "kept_val_loss": record["best_val_loss"],
+        "cooldown": (record.get("schedule") or {}).get("cooldown_why"),
+        "turn_passes": record["turn_passes"],
+        "training_minutes": record["training_minutes"],
+    }
+
+
+def summary(nights: list[dict], lengths: list[float], turn_pct: float) -> dict:
+    out = {}
+    for schedule in sorted({n["schedule"] for n in nights}):
+        mine = [n for n in nights if n["schedule"] == schedule]
+        means, rows = [], {}
+        for m in lengths:
+            results = [n["result_pct"] for n in mine if n["minutes"] == m]
+            means.append(statistics.mean(results))
+            rows[f"{m:g} min"] = {
+                "mean_pct": round(means[-1], 2),
+                "min_pct": min(results),
+                "max_pct": max(results),
+                "stdev_pct": round(statistics.stdev(results), 2) if len(results) > 1 else None,
+            }
+        worst = min(
+            (
+                longer["result_pct"] - shorter["result_pct"]
+                for shorter in mine
+                for longer in mine
+                if longer["seed"] == shorter["seed"] and longer["minutes"] == 2 * shorter["minutes"]
+            ),
+            default=None,
+        )
+        out[schedule] = {
+            "by_length": rows,
+            "first_doubling_gain_pct": round(means[1] - means[0], 2) if len(means) > 1 else None,
+            "each_doubling_gain_pct": [
+                round(b - a, 2) for a, b in zip(means, means[1:], strict=False)
+            ],
+            "worst_seed_doubling_pct": None if worst is None else round(worst, 2),
+            "checks": {
+                "2H >= H + 3 points": len(means) > 1 and means[1] >= means[0] + 3,
+                "4H >= 2H (each doubling after the first)": all(
+                    b >= a for a, b in zip(means[1:], means[2:], strict=False)
+                ),
+                "no seed's longer night two turns below": worst is None or worst >= -2 * turn_pct,
+            },
+        }
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--minutes", type=float, default=3.0, help="H, the shortest night")
+    ap.add_argument("--doublings", type=int, default=2, help="nights of H, 2H, ... up to H*2^this")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
+    ap.add_argument("--paper", type=int, default=150, help="exam turns")
+    ap.add_argument("--turns", type=int, default=20_000, help="training turns in the corpus")
+    ap.add_argument("--parallel", type=int, default=2, help="nights run at once, one thread each")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/gbray-bench-hours"),
+                    help="corpus, student and nights (a night already there is read, not rerun)")  # fmt: skip
+    args = ap.parse_args()
+    data, student = prepare(args.work, args.turns)
+    lengths = [args.minutes * 2**k for k in range(args.doublings + 1)]
+    jobs = [
+        (m, seed, schedule)
+        for m in reversed(lengths)  # the longest first: the pool ends on short nights
+        for seed in args.seeds
+        for schedule in args.schedules
+    ]
+    started = time.monotonic()
+
+    def run(job):
+        m, seed, schedule = job
+        out = args.work / f"night-{schedule}-{m:g}min-seed{seed}"
+        done = night(data, student, out, m, seed, schedule, args.paper)
+        print(
+            f"{schedule} {m:g} min seed {seed}: {done['result_pct']:.1f}% ({done['why']}, "
+            f"kept step {done['kept_step']} of {done['steps']}) "
+            f"[{(time.monotonic() - started) / 60:.0f} min in]",
+            file=sys.stderr,
+            flush=True,
+        )
+        return done
+
+    with ThreadPoolExecutor(args.parallel) as pool:
+        nights = list(pool.map(run, jobs))
+    nights.sort(key=lambda n: (n["schedule"], n["minutes"], n["seed"]))
+    turn_pct = 100 / args.paper
+    report = {
+        "corpus": f"gbray synth --wording alt, {args.turns} training turns, 40 tools",
+        "student": "tiny, pre-trained 450 steps",
+        "lengths_minutes": lengths,
+        "seeds": args.seeds,
+        "nights": nights,
+        "summary": summary(nights, lengths, turn_pct),
+    }
+    if {"wsd", "cosine"} <= set(args.schedules):
+        report["wsd_minus_cosine_pct"] = {
+            f"{m:g} min": round(
+                report["summary"]["wsd"]["by_length"][f"{m:g} min"]["mean_pct"]
+                - report["summary"]["cosine"]["by_length"][f"{m:g} min"]["mean_pct"],
+                2,
+            )
+            for m in lengths
+        }
+    report["wall_minutes"] = round((time.monotonic() - started) / 60, 1)
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
