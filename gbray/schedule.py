@@ -14,7 +14,10 @@ progress being the larger of the time and the steps gone towards the nearest of 
 
 `cosine` is the schedule nights had before: warm-up and cosine to the floor over the steps the
 data or the time allow, re-planned once the speed is known; a plateau ends that night at the rate
-it has. It is kept to be measured against (benchmarks/hours_curve.py).
+it has. `schedule-free` is Schedule-Free AdamW (Defazio et al., arXiv 2405.15682; the trainer
+takes its optimizer from the `schedulefree` package): warm-up, then the peak rate, the adapter
+being the optimizer's running average; a plateau ends the night. Both are kept to be measured
+against (benchmarks/hours_curve.py).
 
 Written here rather than taken from transformers: its schedules are fixed functions of the step,
 and this one's cool-down starts from where the rate stands, at a time the clock decides.
@@ -25,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-KINDS = ("wsd", "cosine")
+KINDS = ("wsd", "cosine", "schedule-free")
 
 
 @dataclass
@@ -75,7 +78,7 @@ class Schedule:
                 return self.floor
             progress = (step - self.warmup) / max(1, self.total - self.warmup)
             return self.floor + (self.peak - self.floor) * 0.5 * (1 + math.cos(math.pi * progress))
-        if self.cool_step is None:
+        if self.cool_step is None:  # wsd's stable phase; schedule-free always
             return self.peak
         progress = self.cooled(step, elapsed, end)
         return self.floor + (self.cool_from - self.floor) * (1 - math.sqrt(progress))

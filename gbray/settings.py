@@ -39,9 +39,10 @@ class Recipe:
         "wsd",
         "the learning rate over the night: wsd (warm-up, the peak held, then a cool-down over the "
         "last --cooldown of the time or the data, or from a plateau; good whenever the night "
-        "ends) or cosine (warm-up and cosine fitted to the steps the time allows; a plateau ends "
-        "the night: the schedule nights had before)",
-        choices=("wsd", "cosine"),
+        "ends), cosine (warm-up and cosine fitted to the steps the time allows; a plateau ends "
+        "the night: the schedule nights had before) or schedule-free (Schedule-Free AdamW, from "
+        "the schedulefree package: the peak held, the adapter its running average)",
+        choices=("wsd", "cosine", "schedule-free"),
     )
     warmup: float = setting(0.05, "share of the steps spent in linear warm-up")
     cooldown: float = setting(
@@ -173,8 +174,10 @@ class Recipe:
             problems.append("--warmup must be in [0, 1) and --min-lr-ratio in [0, 1]")
         if not 0 < self.cooldown < 1:
             problems.append("--cooldown must be in (0, 1)")
-        if self.schedule not in ("wsd", "cosine") or self.keep_by not in ("agreement", "loss"):
-            problems.append("--schedule must be wsd or cosine and --keep-by agreement or loss")
+        if self.schedule not in ("wsd", "cosine", "schedule-free"):
+            problems.append("--schedule must be wsd, cosine or schedule-free")
+        if self.keep_by not in ("agreement", "loss"):
+            problems.append("--keep-by must be agreement or loss")
         if self.max_len < self.answer_room + 32:
             problems.append("--max-len must leave room for a prompt beside --answer-room")
         if self.turns is not None and self.turns < 1:
@@ -335,6 +338,9 @@ class RoundSettings:
             problems.append("--measure-only and --skip-baseline exclude each other")
         if not 1 <= self.shares <= 64:
             problems.append("--shares must be 1 to 64")
+        if self.shares > 1 and self.recipe.schedule == "schedule-free":
+            # Its averaged weights are not those it trains: averaging shares' would mix the two.
+            problems.append("--schedule schedule-free trains one share only (shares: wsd)")
         if self.share_average_minutes is not None and not self.share_average_minutes >= 0:
             problems.append("--share-average-minutes must be >= 0")
         if not self.share_grace > 0:

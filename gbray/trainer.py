@@ -6,6 +6,7 @@ It is handed `report(line)` for progress lines, `on_check(point)` for validation
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -195,7 +196,7 @@ class Trainer:
         self.choices: Choices | None = None
         self.model.config.use_cache = False
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=recipe.weight_decay)
+        self.optimizer = make_optimizer(params, recipe)
 
     # -- configuration ------------------------------------------------------------------------
 
@@ -340,6 +341,21 @@ class Trainer:
                     f"averaged with {members - 1} other share(s) ({self.averaged} averages so far)"
                 )
 
+    @contextlib.contextmanager
+    def kept_weights(self):
+        """The weights a validation measures and an adapter file holds. Schedule-Free AdamW
+        keeps them apart from those it trains (its running average); other optimizers train
+        the weights they keep."""
+        switch = getattr(self.optimizer, "eval", None)
+        if switch is None:
+            yield
+            return
+        switch()
+        try:
+            yield
+        finally:
+            self.optimizer.train()
+
     def validation_scores(self, examples: list[Example]) -> tuple[float, str]:
         """Teacher-forced loss on held-out turns (weighted by labelled tokens; NaN if none is
         finite) and, per turn, whether greedy decoding would name its recorded tool ("1"/"0"):
@@ -350,7 +366,7 @@ class Trainer:
         choices = self.configure(max(len(e.input_ids) for e in examples))
         self.model.eval()
         prefix = prefix_to_share([examples]) if choices.share_prefix else 0
-        with torch.no_grad():
+        with torch.no_grad(), self.kept_weights():
             if prefix:
                 sums, counts, named = shared_prefix_sums(
                     self.model,
@@ -386,6 +402,11 @@ class Trainer:
         """The adapter in its own folder with trainer_state.json. With `schedule`, also
         everything training needs to carry on from here after a crash: the optimizer, the
         schedule, the counters and the random state (resume.pt)."""
+        with self.kept_weights():  # the optimizer's state is saved in the same mode
+            return self._save(name, state, schedule, elapsed)
+
+    def _save(self, name: str, state: TrainState, schedule: Schedule | None,
+              elapsed: float) -> Path:  # fmt: skip
         path = self.out / name
         self.model.save_pretrained(path)
         kept = state.kept_check
@@ -430,6 +451,8 @@ class Trainer:
             self.model, load_file(str(self.out / "last" / "adapter_model.safetensors"))
         )
         self.optimizer.load_state_dict(saved["optimizer"])
+        if hasattr(self.optimizer, "train"):  # saved with the weights it keeps; back to training
+            self.optimizer.train()
         torch.set_rng_state(saved["rng"])
         state = TrainState.restored(saved["state"])
         self.resumed = {"step": state.steps, "optimizer": optimizer_digest(self.optimizer)}
@@ -520,8 +543,9 @@ class Trainer:
 
     def _plateau(self, state: TrainState, timing: Timing, schedule: Schedule) -> None:
         """Validation stopped improving: the cool-down starts from where the rate stands (wsd;
-        the night ends when it is done), or the night ends here (cosine, as nights did)."""
-        if schedule.kind == "cosine":
+        the night ends when it is done), or the night ends here (cosine, as nights did, and
+        schedule-free, which has no cool-down)."""
+        if schedule.kind != "wsd":
             state.why = "patience"
             return
         if schedule.cool_step is not None or state.steps < schedule.warmup:
@@ -769,6 +793,21 @@ class Trainer:
             shared_prefix_steps=state.shared_steps,
             spared_tokens_share=round(state.spared / state.tokens, 4) if state.tokens else None,
         )
+
+
+def make_optimizer(params: list, recipe: Recipe) -> torch.optim.Optimizer:
+    """AdamW; Schedule-Free AdamW for that schedule (its warm-up is the schedule's rate)."""
+    if recipe.schedule != "schedule-free":
+        return torch.optim.AdamW(params, lr=recipe.lr, weight_decay=recipe.weight_decay)
+    try:
+        from schedulefree import AdamWScheduleFree
+    except ImportError as e:
+        raise ValueError(
+            "--schedule schedule-free needs the schedulefree package (pip install schedulefree)"
+        ) from e
+    optimizer = AdamWScheduleFree(params, lr=recipe.lr, weight_decay=recipe.weight_decay)
+    optimizer.train()
+    return optimizer
 
 
 def longest_batch(examples: list[Example], batch: int) -> int:

@@ -36,7 +36,7 @@ def finished_round(ray_local, with_bad_lines):
         hours=BUDGET_MINUTES / 60,
         epochs=10,
         turns=2000,
-        lr=3e-3,
+        lr=1e-3,
         batch=8,
         accum=1,
         lora_r=32,
@@ -94,13 +94,31 @@ def test_round_json_is_complete(finished_round):
     assert on_disk["bad_lines"]["train"]["total"] == 2
     assert on_disk["result"]["per_tool"] and on_disk["baseline"]["per_tool"]
     assert on_disk["paper"]["turns"] == 100
-    assert json.loads((out / "recipe.json").read_text())["lr"] == 3e-3
+    assert json.loads((out / "recipe.json").read_text())["lr"] == 1e-3
     # The corpus's turns share their system prompt: every step ran it once.
     assert on_disk["choices"]["share_prefix"] is True
     assert (
         on_disk["steps"] - 1 <= on_disk["shared_prefix_steps"] <= on_disk["steps"]
     )  # a last lone turn: whole
     assert 0 < on_disk["spared_tokens_share"] < 1
+
+
+def test_round_json_shows_the_schedule_and_every_validation(finished_round):
+    record, _, _ = finished_round
+    # Ten epochs planned, two minutes given: the cool-down began by the clock, with a fifth of
+    # the night left, and the night ended cooled down.
+    assert record["schedule"]["kind"] == "wsd" and record["schedule"]["cooldown_why"] == "time"
+    assert record["schedule"]["cooldown_began_minute"] == pytest.approx(
+        0.8 * BUDGET_MINUTES, abs=0.1
+    )
+    checks = record["checks"]
+    assert {"step", "phase", "lr", "loss", "agreement", "kept"} <= set(checks[0])
+    assert checks[-1]["phase"] == "cool-down" and checks[-1]["step"] == record["steps"]
+    assert [c["phase"] for c in checks].count("stable") >= 2
+    # The adapter kept is the last check that was kept when it was made.
+    kept = [c for c in checks if c["kept"]][-1]
+    assert kept["step"] == record["best_step"]
+    assert kept["agreement"] == record["best_val_agreement"]
 
 
 def test_result_beats_baseline_on_a_corpus_of_other_tools(finished_round):

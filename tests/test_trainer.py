@@ -206,3 +206,25 @@ def test_shares_of_one_night_cool_down_together_whatever_their_speed(raw_student
         assert summary.checks[-1]["phase"] == "cool-down"
     slow_step = 2 * 0.15 + 0.3  # two turns' pause and the step itself, with room
     assert all(abs(b - 0.8 * night) <= slow_step for b in began), began
+
+
+def test_a_schedule_free_night_keeps_the_optimizers_average(raw_student, turns, tmp_path):
+    # Schedule-Free AdamW trains one sequence of weights (y) and keeps their average (x): the
+    # validation and the adapter files are x, and training carries on from y.
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    r = recipe(accum=1, epochs=2, val_every_steps=4, schedule="schedule-free", lr=3e-3)
+    trainer = Trainer(str(raw_student), None, r, tmp_path)
+    summary = trainer.train(turns[:12], turns[30:34])
+    assert summary.schedule["kind"] == "schedule-free" and summary.steps == 12
+    trained = {k: v.clone() for k, v in get_peft_model_state_dict(trainer.model).items()}
+    with trainer.kept_weights():
+        kept = {k: v.clone() for k, v in get_peft_model_state_dict(trainer.model).items()}
+    saved = load_file(str(tmp_path / "last" / "adapter_model.safetensors"))
+    assert any(not torch.equal(trained[k], kept[k]) for k in kept)
+    for key, value in kept.items():
+        assert torch.equal(saved[key], value), key
+    # Back in training mode afterwards: the weights it trains again.
+    after = get_peft_model_state_dict(trainer.model)
+    assert all(torch.allclose(after[k], trained[k], atol=1e-7) for k in trained)
