@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import subprocess
 import sys
@@ -151,6 +152,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/gbray-bench-hours"),
                     help="corpus, student and nights (a night already there is read, not rerun)")  # fmt: skip
     args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     data, student = prepare(args.work, args.turns, args.page_tokens)
     lengths = [args.minutes * 2**k for k in range(args.doublings + 1)]
     jobs = [

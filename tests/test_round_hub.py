@@ -82,8 +82,13 @@ def test_round_through_the_hub_is_live_and_stored(ray_local, hub, corpus, raw_st
 
     watcher = threading.Thread(target=watch)
     watcher.start()
+    # Validation stalls from its second check on (the raw student names no tool, so agreement
+    # ties, and a loss must fall by 1e9 to count): a plateau early in the night.
+    stalls = quick_recipe(patience=1, min_gain=1e9, patience_after=0.0)
     try:
-        record = run_round(settings(hub.url, hub.device, corpus, raw_student, tmp_path / "r"))
+        record = run_round(
+            settings(hub.url, hub.device, corpus, raw_student, tmp_path / "r", recipe=stalls)
+        )
     finally:
         done.set()
         watcher.join()
@@ -94,6 +99,15 @@ def test_round_through_the_hub_is_live_and_stored(ray_local, hub, corpus, raw_st
     assert stored["baseline"] == record["baseline"]["agreement_pct"]
     assert stored["result"] == record["result"]["agreement_pct"]
     assert stored["checks"] and all(c["valLoss"] is not None for c in stored["checks"])
+    # The plateau did not end the night at its peak rate: it cooled down first, as round.json
+    # and the hub's curve both show, each check with its phase, rate, loss and agreement.
+    assert record["why"] == "plateau" and record["schedule"]["cooldown_why"] == "plateau"
+    assert record["training_minutes"] < 0.4
+    phases = [c["phase"] for c in record["checks"]]
+    assert phases[-1] == "cool-down" and "stable" in phases[: phases.index("cool-down")]
+    assert [c["phase"] for c in stored["checks"]] == phases
+    assert all(c["valAgreement"] == 0.0 and c["lr"] > 0 for c in stored["checks"])
+    assert stored["checks"][-1]["lr"] < max(c["lr"] for c in stored["checks"]) / 2
     assert stored["end_body"]["perTool"]
     # Registered the field's way: base is the student's model id, the start is in the recipe.
     assert stored["base"] == record["student_name"] and stored["recipe"]["start"] == "bare"

@@ -125,6 +125,9 @@ def test_shares_of_unequal_speed_get_unequal_parts_and_end_together(learnable, t
     minutes = [r["training"]["training_minutes"] for r in (fast, slower)]
     assert all(r["training"]["why"] == "finished" for r in (fast, slower))
     assert abs(minutes[0] - minutes[1]) <= 0.2 + 0.1, minutes  # one validation interval
+    # Each cooled down before its end, and they cooled down together.
+    began = [r["training"]["schedule"]["cooldown_began_minute"] for r in (fast, slower)]
+    assert all(b is not None for b in began) and abs(began[0] - began[1]) <= 0.2 + 0.1, began
 
 
 def test_a_node_lost_mid_round_leaves_its_share_out(learnable, tmp_path):
