@@ -23,7 +23,7 @@ steps, turn-passes), per variant the mean result at each length with its spread,
 issue's checks: 2H >= H + 3 points, 4H >= 2H on the means, and no seed's longer night more than
 two turns below its shorter night.
 
-    python benchmarks/hours_curve.py                      # about 80 minutes on 2 cores
+    python benchmarks/hours_curve.py                      # about 70 minutes on 2 cores
     python benchmarks/hours_curve.py --minutes 1 --seeds 1 --doublings 1   # a quick look
 """
 
