@@ -207,7 +207,8 @@ def test_shares_of_one_night_cool_down_together_whatever_their_speed(raw_student
         began.append(summary.schedule["cooldown_began_minute"] * 60)
         assert summary.checks[-1]["phase"] == "cool-down"
     slow_step = 2 * 0.15 + 0.3  # two turns' pause and the step itself, with room
-    assert all(abs(b - 0.8 * night) <= slow_step for b in began), began
+    rounding = 0.3  # round.json keeps the minute to two places
+    assert all(abs(b - 0.8 * night) <= slow_step + rounding for b in began), began
 
 
 def test_a_schedule_free_night_keeps_the_optimizers_average(raw_student, turns, tmp_path):
