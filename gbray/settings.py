@@ -13,6 +13,9 @@ import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from gbray.schedule import KINDS as SCHEDULES
+from gbray.validation import KEEP_BY
+
 
 def setting(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
@@ -42,7 +45,7 @@ class Recipe:
         "ends), cosine (warm-up and cosine fitted to the steps the time allows; a plateau ends "
         "the night: the schedule nights had before) or schedule-free (Schedule-Free AdamW, from "
         "the schedulefree package: the peak held, the adapter its running average)",
-        choices=("wsd", "cosine", "schedule-free"),
+        choices=SCHEDULES,
     )
     warmup: float = setting(0.05, "share of the steps spent in linear warm-up")
     cooldown: float = setting(
@@ -88,7 +91,7 @@ class Recipe:
         "which check's adapter a night keeps: agreement (the most validation turns whose tool "
         "greedy decoding names, beyond their noise; the loss breaks ties) or loss (the lowest "
         "validation loss: it kept an adapter that names one tool for everything)",
-        choices=("agreement", "loss"),
+        choices=KEEP_BY,
     )
     min_gain: float = setting(
         1e-4, "a validation loss must be lower by more than this to count as a gain"
@@ -174,9 +177,9 @@ class Recipe:
             problems.append("--warmup must be in [0, 1) and --min-lr-ratio in [0, 1]")
         if not 0 < self.cooldown < 1:
             problems.append("--cooldown must be in (0, 1)")
-        if self.schedule not in ("wsd", "cosine", "schedule-free"):
+        if self.schedule not in SCHEDULES:
             problems.append("--schedule must be wsd, cosine or schedule-free")
-        if self.keep_by not in ("agreement", "loss"):
+        if self.keep_by not in KEEP_BY:
             problems.append("--keep-by must be agreement or loss")
         if self.max_len < self.answer_room + 32:
             problems.append("--max-len must leave room for a prompt beside --answer-room")

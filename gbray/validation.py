@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass
 # Standard deviations of the paired difference that a difference must pass to count: two is a
 # wobble's chance of about one in twenty; one would be one in three.
 NOISE_SD = 2.0
+# What a night's kept adapter is chosen by (`--keep-by`).
+KEEP_BY = ("agreement", "loss")
 
 
 @dataclass
