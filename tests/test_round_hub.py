@@ -82,9 +82,9 @@ def test_round_through_the_hub_is_live_and_stored(ray_local, hub, corpus, raw_st
 
     watcher = threading.Thread(target=watch)
     watcher.start()
-    # Validation stalls from its second check on (the raw student names no tool, so agreement
-    # ties, and a loss must fall by 1e9 to count): a plateau early in the night.
-    stalls = quick_recipe(patience=1, min_gain=1e9, patience_after=0.0)
+    # Validation stalls from its second check on (kept by loss, which must fall by 1e9 to count):
+    # a plateau early in the night, whatever the agreement does.
+    stalls = quick_recipe(patience=1, min_gain=1e9, patience_after=0.0, keep_by="loss")
     try:
         record = run_round(
             settings(hub.url, hub.device, corpus, raw_student, tmp_path / "r", recipe=stalls)
@@ -106,7 +106,12 @@ def test_round_through_the_hub_is_live_and_stored(ray_local, hub, corpus, raw_st
     phases = [c["phase"] for c in record["checks"]]
     assert phases[-1] == "cool-down" and "stable" in phases[: phases.index("cool-down")]
     assert [c["phase"] for c in stored["checks"]] == phases
-    assert all(c["valAgreement"] == 0.0 and c["lr"] > 0 for c in stored["checks"])
+    # The raw student may learn a tool's name within a few steps, so agreement is compared with
+    # round.json's, not with zero.
+    assert [c["valAgreement"] for c in stored["checks"]] == [
+        c["agreement"] for c in record["checks"]
+    ]
+    assert all(c["lr"] > 0 for c in stored["checks"])
     assert stored["checks"][-1]["lr"] < max(c["lr"] for c in stored["checks"]) / 2
     assert stored["end_body"]["perTool"]
     # Registered the field's way: base is the student's model id, the start is in the recipe.
