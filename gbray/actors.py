@@ -4,6 +4,7 @@ beyond wiring `report`, `on_check` and `should_stop` to the hub actor."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -66,7 +67,7 @@ class TrainerActor:
         hub=None,
         start_name: str | None = None,
         run_id: str | None = None,
-        averaging: tuple | None = None,  # (AveragerActor, this share's index, every seconds)
+        averaging: tuple | None = None,  # (AveragerActor, this share's index)
     ):
         from gbray.platform import process_record
         from gbray.settings import Recipe
@@ -116,42 +117,76 @@ class TrainerActor:
 
 
 class AveragerLink:
-    """A share's side of the averaging (the trainer's `sync`): due every `every` seconds, the
-    exchange one call to the averager actor (it never waits for the other shares)."""
+    """A share's side of the night's averaging (the trainer's `sync`): a sync is due every
+    `every_turns` turns it trains (the driver sets them from the fastest share's speed, so a slow
+    share syncs less often); each is one call to the averager actor, which never waits for the
+    other shares."""
 
-    def __init__(self, averager, index: int, every: float):
-        self.averager, self.index, self.every = averager, index, every
-        self.last = time.monotonic()
+    def __init__(self, averager, index: int):
+        self.averager, self.index = averager, index
+        self.every_turns = float("inf")
 
-    def due(self, now: float) -> bool:
-        return time.monotonic() - self.last >= self.every
+    def join(self, weights: dict) -> dict:
+        self.every_turns = ray.get(self.averager.every_turns.remote())
+        return ray.get(self.averager.join.remote(self.index, weights))
 
-    def exchange(self, weights: dict, turns: int) -> tuple[dict, int]:
+    def due(self, turns_since: int) -> bool:
+        return turns_since >= self.every_turns
+
+    def exchange(self, weights: dict, turns: int) -> dict:
         try:
             return ray.get(self.averager.exchange.remote(self.index, weights, turns))
         except ray.exceptions.RayError as e:  # the driver's machine gone: train on alone
             logging.getLogger(__name__).warning("no averaging: %s", str(e).splitlines()[0])
-            self.every = float("inf")
-            return weights, 1
-        finally:
-            self.last = time.monotonic()
+            self.every_turns = float("inf")
+            return weights
 
-    def leave(self) -> None:
-        self.averager.leave.remote(self.index)
+    def leave(self, weights: dict | None, turns: int) -> None:
+        # Waited on: the driver reads the global once every share's train call has returned.
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.get(self.averager.leave.remote(self.index, weights, turns))
 
 
 @ray.remote(num_cpus=0, max_concurrency=64)
 class AveragerActor:
-    def __init__(self, fresh_seconds: float):
-        from gbray.shares import Averager
+    def __init__(self, outer_lr: float, outer_momentum: float):
+        from gbray.averaging import Averager
 
-        self.averager = Averager(fresh_seconds)
+        self.averager = Averager(outer_lr, outer_momentum)
+        self.every = float("inf")
 
-    def exchange(self, index: int, weights: dict, turns: int):
+    def set_every_turns(self, turns: int) -> None:
+        self.every = turns
+
+    def every_turns(self) -> float:
+        return self.every
+
+    def join(self, index: int, weights: dict) -> dict:
+        return self.averager.join(index, weights)
+
+    def exchange(self, index: int, weights: dict, turns: int) -> dict:
         return self.averager.exchange(index, weights, turns)
 
-    def leave(self, index: int) -> None:
-        self.averager.leave(index)
+    def leave(self, index: int, weights: dict | None, turns: int) -> None:
+        self.averager.leave(index, weights, turns)
+
+    def drop(self, index: int) -> None:
+        self.averager.drop(index)
+
+    def save(self, template: str, out: str) -> dict:
+        """The global adapter written to `out` (on the driver's machine); what round.json keeps."""
+        from gbray.averaging import save_global
+
+        weights, syncs, members = self.averager.result()
+        save_global(weights, Path(template), Path(out))
+        return {
+            "folder": out,
+            "outer_lr": self.averager.outer_lr,
+            "outer_momentum": self.averager.outer_momentum,
+            "every_turns": self.every,
+            "syncs": syncs,
+            "members": members,
+        }
 
 
 # An exam is pure, so a lost examiner (its machine gone before or while it ran) is started

@@ -369,6 +369,8 @@ class Round:
             run_id=self.record["round"],
             grace_seconds=s.share_grace,
             average_every_seconds=average_every_seconds(s),
+            outer_lr=s.outer_lr,
+            outer_momentum=s.outer_momentum,
             options=list(s.share_options),
         )
         trained = train_shares(night, s.shares, work.train, work.val, self.hub, self.note)
@@ -392,6 +394,17 @@ class Round:
         """The adapter the result exam takes: the one share's, or the survivors' merged (a Ray
         task over the merge module, weighted by the turns each trained)."""
         survivors = trained.survivors
+        if trained.merged:
+            # The shares synced while they trained: the averager's global adapter is the merge
+            # (with what a lost share synced before it went).
+            m = trained.merged
+            self.note(
+                f"merged {len(survivors)} shares: the averager's global adapter after "
+                f"{len(m['syncs'])} syncs (outer lr {m['outer_lr']}, momentum {m['outer_momentum']})"
+            )
+            self.record.update(merge={"method": "outer", **m}, adapter=m["folder"])
+            self.write()
+            return m["folder"]
         if len(survivors) == 1:
             self.record["adapter"] = survivors[0].adapter
             return survivors[0].adapter

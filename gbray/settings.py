@@ -309,6 +309,14 @@ class RoundSettings:
         "every this many minutes each share's adapter becomes the average of all shares' "
         "(local SGD; 0: shares meet only in the merge; default: a fortieth of --hours, at most 2)",
     )
+    outer_lr: float = setting(
+        1.0,
+        "the averager's outer rate on what the shares moved: 1 is their average, the number of "
+        "shares their sum (DiLoCo: 0.7 with --outer-momentum 0.9)",
+    )
+    outer_momentum: float = setting(
+        0.0, "the averager's Nesterov momentum, updated once per outer step (0: none)"
+    )
     share_grace: float = setting(
         120.0,
         "seconds a share's machine may be gone (after another share finished) before the "
@@ -346,6 +354,8 @@ class RoundSettings:
             problems.append("--schedule schedule-free trains one share only (shares: wsd)")
         if self.share_average_minutes is not None and not self.share_average_minutes >= 0:
             problems.append("--share-average-minutes must be >= 0")
+        if not self.outer_lr > 0 or not 0 <= self.outer_momentum < 1:
+            problems.append("--outer-lr must be > 0 and --outer-momentum in [0, 1)")
         if not self.share_grace > 0:
             problems.append("--share-grace must be > 0")
         if not 0 <= self.fall_points <= 100 or self.fall_min_asked < 1:

@@ -13,7 +13,6 @@ merged. One share is the plain round: no placement group, no probe.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -56,6 +55,7 @@ class Trained:
     packed_note: str | None = None
     split: list[int] = field(default_factory=list)
     average_every_seconds: float = 0.0
+    merged: dict | None = None  # the averager's global adapter: its folder, syncs and members
 
     @property
     def survivors(self) -> list[Share]:
@@ -64,47 +64,6 @@ class Trained:
     @property
     def turns_trained(self) -> int:
         return sum(s.summary.turns_trained for s in self.survivors if s.summary)
-
-
-class Averager:
-    """Where shares average their adapters every few minutes while they train (local SGD): a
-    share hands in its weights and gets back the turn-weighted average of the latest weights of
-    every share, its own included. Nobody waits for anybody: machines differ by 100x, and one
-    optimizer step of a laptop can take longer than many of a GPU box. Weights not handed in again
-    within `fresh_seconds` (a share whose machine is gone) no longer count, nor do those of a
-    share that finished."""
-
-    def __init__(self, fresh_seconds: float, clock: Callable[[], float] = time.monotonic):
-        self.fresh_seconds, self.clock = fresh_seconds, clock
-        self.latest: dict[int, tuple[dict, int, float]] = {}
-        self.lock = threading.Lock()
-
-    def exchange(self, index: int, weights: dict, turns: int) -> tuple[dict, int]:
-        """This share's weights in; the average of every share's latest, and how many counted."""
-        with self.lock:
-            now = self.clock()
-            self.latest[index] = (weights, turns, now)
-            counted = [
-                (w, t) for w, t, at in self.latest.values() if now - at <= self.fresh_seconds
-            ]
-        return average_weights(counted), len(counted)
-
-    def leave(self, index: int) -> None:
-        with self.lock:
-            self.latest.pop(index, None)
-
-
-def average_weights(parts: list[tuple[dict, int]]) -> dict:
-    """Weight for weight, each part weighted by its turns: between syncs the shares move little
-    from one common start, so this is close to the exact average of their updates."""
-    total = sum(max(1, turns) for _, turns in parts)
-    first = parts[0][0]
-    return {
-        key: sum(w[key].float() * (max(1, turns) / total) for w, turns in parts).to(
-            first[key].dtype
-        )
-        for key in first
-    }
 
 
 def split_by_speed(turns: int, speeds: list[float]) -> list[int]:
@@ -141,6 +100,8 @@ class ShareNight:
     run_id: str = ""
     grace_seconds: float = 120.0
     average_every_seconds: float = 0.0  # 0: the shares meet only in the merge
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
     options: list[dict] = field(default_factory=list)  # per share: extra actor options (tests)
 
 
@@ -216,7 +177,7 @@ def train_shares(
                     night.start_name,
                     f"{night.run_id}-share-{share.index}",
                     options,
-                    (averager, share.index, night.average_every_seconds) if averager else None,
+                    (averager, share.index) if averager else None,
                 )  # fmt: skip
             )
             hubs.append(share_hub)
@@ -226,6 +187,8 @@ def train_shares(
         for share, speed in zip(trained.shares, speeds, strict=True):
             share.probe_turns_per_hour = round(speed, 1)
         trained.split = split_by_speed(len(train), speeds)
+        if averager:
+            ray.get(averager.set_every_turns.remote(sync_turns(night, speeds)))
         what(
             "shares sized by speed: "
             + ", ".join(
@@ -241,7 +204,11 @@ def train_shares(
             share.turns = part
             refs.append(trainer.train.remote(train[at : at + part], val, ends_at))
             at += part
-        _collect(night, trained, trainers, refs, hub)
+        _collect(night, trained, trainers, refs, hub, averager)
+        if averager and trained.survivors:
+            trained.merged = ray.get(
+                averager.save.remote(trained.survivors[0].adapter, str(night.out / "merged"))
+            )
         for share, share_hub in zip(trained.shares, hubs, strict=True):
             _end_share(share, share_hub)
     finally:
@@ -260,8 +227,16 @@ def _start_averager(ray, night: ShareNight):
     from gbray.actors import AveragerActor
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    fresh = 3 * night.average_every_seconds + night.grace_seconds
-    return AveragerActor.options(scheduling_strategy=here).remote(fresh)
+    return AveragerActor.options(scheduling_strategy=here).remote(
+        night.outer_lr, night.outer_momentum
+    )
+
+
+def sync_turns(night: ShareNight, speeds: list[float]) -> int:
+    """Turns between a share's syncs: what the fastest share trains in the interval, at least
+    one optimizer step's (so a share three times slower syncs three times less often)."""
+    step = max(1, night.recipe.batch * night.recipe.accum)
+    return max(step, round(max(speeds) / 3600 * night.average_every_seconds))
 
 
 def _wait_all(ray, refs, hub, what: str) -> list:
@@ -273,7 +248,7 @@ def _wait_all(ray, refs, hub, what: str) -> list:
     return ray.get(refs)
 
 
-def _collect(night: ShareNight, trained: Trained, trainers, refs, hub) -> None:
+def _collect(night: ShareNight, trained: Trained, trainers, refs, hub, averager) -> None:
     """Wait for every share; one whose actor died, or whose machine has been gone past the grace
     once another share finished, is left out with the reason."""
     ray = night.ray
@@ -293,6 +268,8 @@ def _collect(night: ShareNight, trained: Trained, trainers, refs, hub) -> None:
                 reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 trained.shares[i].lost = f"its trainer died: {type(e).__name__}: {reason[:300]}"
                 log.warning("share %d lost: %s", i, trained.shares[i].lost)
+                if averager:
+                    averager.drop.remote(i)
         if not pending or len(pending) == len(refs):
             continue
         # Someone finished: a share whose actor is not alive gets the grace, then is left out.
@@ -308,6 +285,8 @@ def _collect(night: ShareNight, trained: Trained, trainers, refs, hub) -> None:
                     f"within {night.grace_seconds:.0f} s"
                 )
                 log.warning("share %d lost: %s", i, trained.shares[i].lost)
+                if averager:
+                    averager.drop.remote(i)
                 del pending[i]
 
 

@@ -45,16 +45,19 @@ def _nothing(*_args) -> None:
 
 
 class NoSync:
-    """A trainer alone: nothing to average with. Shares that train together get one that
-    averages their adapters every few minutes (`gbray.shares.Averager`, through its actor)."""
+    """A trainer alone: nothing to sync with. Shares that train together get a link to the
+    night's averager (`gbray.averaging.Averager`, through its actor)."""
 
-    def due(self, now: float) -> bool:
+    def join(self, weights: dict) -> dict:
+        return weights
+
+    def due(self, turns_since: int) -> bool:
         return False
 
-    def exchange(self, weights: dict, turns: int) -> tuple[dict, int]:
-        return weights, 1
+    def exchange(self, weights: dict, turns: int) -> dict:
+        return weights
 
-    def leave(self) -> None:
+    def leave(self, weights: dict | None, turns: int) -> None:
         return None
 
 
@@ -169,6 +172,7 @@ class Trainer:
         self.recipe, self.out = recipe, Path(out)
         self.sync = sync or NoSync()
         self.averaged = 0
+        self.synced_at = 0  # turn-passes at the last sync with the other shares
         self.on_saved = on_saved
         self.start = start_name
         self.resumed: dict | None = None
@@ -325,21 +329,25 @@ class Trainer:
         state.shared_pending = False
         state.steps += 1
 
-    def average_with_other_shares(self, turns: int) -> None:
-        """Local SGD between shares: the adapter's weights become the turn-weighted average of
-        every share's, so each carries on from what all have learned (one average at the end
-        loses most where the shares are far from converged). Optimizer moments stay local."""
-        from peft import get_peft_model_state_dict, set_peft_model_state_dict
+    def adapter_weights(self) -> dict:
+        from peft import get_peft_model_state_dict
 
-        mine = {k: v.detach().cpu() for k, v in get_peft_model_state_dict(self.model).items()}
-        averaged, members = self.sync.exchange(mine, turns)
-        if members > 1:
-            set_peft_model_state_dict(self.model, averaged)
-            self.averaged += 1
-            if self.averaged in (1, 10) or self.averaged % 100 == 0:  # a line now and then
-                self.report(
-                    f"averaged with {members - 1} other share(s) ({self.averaged} averages so far)"
-                )
+        return {k: v.detach().cpu() for k, v in get_peft_model_state_dict(self.model).items()}
+
+    def set_adapter_weights(self, weights: dict) -> None:
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(self.model, weights)
+
+    def sync_with_other_shares(self, state: TrainState) -> None:
+        """Hands what this share moved since its last sync to the night's averager and carries
+        on from the global it gets back (`gbray.averaging`). Optimizer moments stay local."""
+        turns = state.turn_passes - self.synced_at
+        self.set_adapter_weights(self.sync.exchange(self.adapter_weights(), turns))
+        self.synced_at = state.turn_passes
+        self.averaged += 1
+        if self.averaged in (1, 10) or self.averaged % 100 == 0:  # a line now and then
+            self.report(f"synced with the other shares ({self.averaged} syncs so far)")
 
     @contextlib.contextmanager
     def kept_weights(self):
@@ -669,6 +677,10 @@ class Trainer:
             started=self.clock(),
             val_turns=len(val),
         )
+        # Shares start from the night's global adapter (a share that joins late, from what the
+        # others have learned so far).
+        self.set_adapter_weights(self.sync.join(self.adapter_weights()))
+        self.synced_at = state.turn_passes
         speed_passes = -1  # measured from the end of the first step this process takes
         last_note = self.clock()
         first_note_done = False
@@ -702,8 +714,8 @@ class Trainer:
                 state.seen.update(chunk)
                 if state.micro % recipe.accum == 0:
                     self.optimizer_step(state, rate())
-                    if self.sync.due(self.clock()):
-                        self.average_with_other_shares(n)
+                    if self.sync.due(state.turn_passes - self.synced_at):
+                        self.sync_with_other_shares(state)
                     if speed_passes == -1:
                         # The first step carries start-up costs; speed is measured from its end.
                         timing.speed_from, speed_passes = self.clock(), state.turn_passes
@@ -737,14 +749,15 @@ class Trainer:
                         state.why = "stopped"
                 if state.why != "finished":
                     break
-        self.sync.leave()
         if state.why == "stopped":
             # A stop is a stop: nothing more is trained, validated or saved.
+            self.sync.leave(None, 0)
             self.report(f"stopped by the owner after {state.steps} steps")
         else:
             if state.pending:
                 # The leftover gradient of a partial accumulation is applied, not thrown away.
                 self.optimizer_step(state, rate())
+            self.sync.leave(self.adapter_weights(), state.turn_passes - self.synced_at)
             if not state.checks or state.checks[-1].step != state.steps:
                 self.validate(val, state, schedule, (self.clock() - timing.night_start) / 60)
             self.save("last", state)

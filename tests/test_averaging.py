@@ -5,8 +5,8 @@ import torch
 from peft import get_peft_model_state_dict
 from test_trainer import recipe
 
+from gbray.averaging import Averager
 from gbray.data.turns import index_folder
-from gbray.shares import Averager, average_weights
 from gbray.trainer import Trainer
 
 
@@ -22,57 +22,88 @@ def weights(value: float) -> dict:
     return {"a": torch.full((2, 3), value), "b": torch.full((3,), -value)}
 
 
-def test_the_average_is_weighted_by_the_turns_each_share_trains():
-    got = average_weights([(weights(1.0), 100), (weights(4.0), 300)])
-    assert torch.allclose(got["a"], torch.full((2, 3), 3.25))
-    assert torch.allclose(got["b"], torch.full((3,), -3.25))
+def test_the_first_share_s_start_is_the_global_and_a_late_joiner_gets_what_was_learned():
+    averager = Averager(outer_lr=1.0, clock=Clock())
+    assert torch.equal(averager.join(0, weights(1.0))["a"], weights(1.0)["a"])
+    averager.exchange(0, weights(3.0), 10)  # alone: its whole movement, +2
+    late = averager.join(1, weights(0.0))  # a node that joined mid-night
+    assert torch.allclose(late["a"], torch.full((2, 3), 3.0))
 
 
-def test_each_share_gets_the_average_of_every_share_s_latest_weights():
-    clock = Clock()
-    averager = Averager(fresh_seconds=60, clock=clock)
-    alone, count = averager.exchange(0, weights(2.0), 10)
-    assert count == 1 and torch.equal(alone["a"], weights(2.0)["a"])
-    clock.now = 5
-    both, count = averager.exchange(1, weights(4.0), 10)
-    assert count == 2 and torch.allclose(both["a"], torch.full((2, 3), 3.0))
-    clock.now = 10  # share 0 again, with new weights: share 1's latest still counts
-    again, count = averager.exchange(0, weights(0.0), 30)
-    assert count == 2 and torch.allclose(again["a"], torch.full((2, 3), 1.0))
+def test_outer_lr_one_averages_the_movements_and_the_number_of_shares_sums_them():
+    for outer_lr, expected in ((1.0, 2.0), (2.0, 3.0)):
+        averager = Averager(outer_lr=outer_lr, clock=Clock())
+        for share in (0, 1):
+            averager.join(share, weights(1.0))
+        averager.exchange(0, weights(2.0), 10)  # moved +1
+        got = averager.exchange(1, weights(2.0), 10)  # moved +1 from the same start
+        assert torch.allclose(got["a"], torch.full((2, 3), expected)), outer_lr
+        assert torch.allclose(got["b"], torch.full((3,), -expected)), outer_lr
 
 
-def test_weights_not_handed_in_again_in_time_no_longer_count():
-    clock = Clock()
-    averager = Averager(fresh_seconds=60, clock=clock)
-    averager.exchange(0, weights(2.0), 10)  # share 0's machine goes away after this
-    clock.now = 61
-    got, count = averager.exchange(1, weights(4.0), 10)
-    assert count == 1 and torch.equal(got["a"], weights(4.0)["a"])
+def test_a_stale_movement_adds_what_it_learned_and_does_not_drag_the_global_back():
+    averager = Averager(outer_lr=2.0, clock=Clock())
+    for share in (0, 1):
+        averager.join(share, weights(0.0))
+    for _ in range(3):  # the fast share syncs three times, +1 each
+        averager.exchange(0, weights(averager_view(averager, 0) + 1.0), 30)
+    # The slow share, handed the start, moved +1 over the same time: its movement is added.
+    got = averager.exchange(1, weights(1.0), 10)
+    assert torch.allclose(got["a"], torch.full((2, 3), 4.0))
+    stale = averager.syncs[-1]
+    assert stale.share == 1 and stale.staleness == 3 and stale.turns == 10
 
 
-def test_a_share_that_finished_no_longer_counts():
-    averager = Averager(fresh_seconds=60, clock=Clock())
-    averager.exchange(0, weights(2.0), 10)
-    averager.leave(0)
-    got, count = averager.exchange(1, weights(4.0), 10)
-    assert count == 1 and torch.equal(got["a"], weights(4.0)["a"])
+def averager_view(averager: Averager, share: int) -> dict:
+    """What `share` was last handed, as weights(x) would make it: its "a" value."""
+    return averager.given[share][0]["a"][0, 0].item()
+
+
+def test_nesterov_momentum_is_updated_once_per_outer_step():
+    averager = Averager(outer_lr=1.0, outer_momentum=0.5, clock=Clock())
+    for share in (0, 1):
+        averager.join(share, weights(0.0))
+    averager.exchange(0, weights(2.0), 10)  # +1 applied at once; no momentum yet
+    assert averager.state.weights["a"][0, 0].item() == 1.0
+    # The outer step: +1 more, so g = 2 this step, m = 2, and the global gets 0.5 * m on top.
+    averager.exchange(1, weights(2.0), 10)
+    assert averager.state.weights["a"][0, 0].item() == 3.0
+
+
+def test_a_share_that_left_or_was_dropped_keeps_what_it_synced():
+    averager = Averager(outer_lr=2.0, clock=Clock())
+    for share in (0, 1):
+        averager.join(share, weights(0.0))
+    averager.exchange(1, weights(1.0), 10)  # +1 then its machine goes away
+    averager.drop(1)
+    averager.leave(0, weights(1.0), 5)  # the last movement of the other, scaled 2/1
+    final, syncs, members = averager.result()
+    assert torch.allclose(final["a"], torch.full((2, 3), 3.0))
+    assert [s["final"] for s in syncs] == [False, True]
+    assert {m["share"]: m["turns_synced"] for m in members} == {0: 5, 1: 10}
+    assert all(m["left_minute"] is not None for m in members)
 
 
 class ZeroingSync:
     """Every exchange hands back zeros, as if the other shares had learned nothing."""
 
     def __init__(self):
-        self.exchanges, self.left = 0, False
+        self.joined, self.exchanges, self.turns, self.left = 0, 0, [], None
 
-    def due(self, now: float) -> bool:
-        return True
+    def join(self, weights: dict) -> dict:
+        self.joined += 1
+        return weights
 
-    def exchange(self, mine: dict, turns: int) -> tuple[dict, int]:
+    def due(self, turns_since: int) -> bool:
+        return turns_since >= 2
+
+    def exchange(self, mine: dict, turns: int) -> dict:
         self.exchanges += 1
-        return {k: torch.zeros_like(v) for k, v in mine.items()}, 2
+        self.turns.append(turns)
+        return {k: torch.zeros_like(v) for k, v in mine.items()}
 
-    def leave(self) -> None:
-        self.left = True
+    def leave(self, weights: dict | None, turns: int) -> None:
+        self.left = (weights, turns)
 
 
 def test_the_trainer_carries_on_from_the_average_it_is_handed(raw_student, corpus, tmp_path):
@@ -81,8 +112,10 @@ def test_the_trainer_carries_on_from_the_average_it_is_handed(raw_student, corpu
     sync = ZeroingSync()
     trainer = Trainer(str(raw_student), None, recipe(accum=1), tmp_path, sync=sync)
     summary = trainer.train(turns[:8], turns[8:12])
-    # 8 turns, batch 2, accumulation 1: four steps, each followed by an exchange; the last one
-    # leaves the adapter all zeros (LoRA's A and B both zero get no gradient after it).
-    assert summary.steps == 4 and sync.exchanges == 4 and summary.averaged == 4 and sync.left
+    # 8 turns, batch 2, accumulation 1: four steps, each followed by an exchange of the 2 turns
+    # since the last; the last one leaves the adapter all zeros (LoRA's A and B both zero get no
+    # gradient after it), and what it hands in on leaving is those zeros.
+    assert summary.steps == 4 and sync.exchanges == 4 and summary.averaged == 4
+    assert sync.joined == 1 and sync.turns == [2, 2, 2, 2] and sync.left[1] == 0
     lora = get_peft_model_state_dict(trainer.model)
     assert lora and all(float(v.abs().max()) == 0.0 for v in lora.values())

@@ -75,7 +75,13 @@ def test_a_two_share_round_from_one_command_on_three_nodes(learnable, tmp_path):
     assert len(reports) == 2 and not record["lost_shares"]
     assert reports[0]["node"] != reports[1]["node"], "both shares ran on one node"
     assert record["packed"] is None
-    assert record["merge"]["method"] == "cat" and record["merge"]["exact"]
+    # The shares synced while they trained: the merge is the averager's global adapter, and
+    # round.json lists every sync with the turns behind it and the weight it was applied with.
+    merge = record["merge"]
+    assert merge["method"] == "outer" and record["adapter"] == merge["folder"]
+    assert {s["share"] for s in merge["syncs"]} == {0, 1}
+    assert all(s["turns"] > 0 and s["weight"] > 0 for s in merge["syncs"])
+    assert [m["share"] for m in merge["members"]] == [0, 1]
     assert sum(record["share_split"]) == record["slice_turns"]
     # One baseline for the shares (measured beside them: the cluster had a free node), one
     # result exam of the merge, and each share's own adapter on the same paper.
@@ -83,7 +89,7 @@ def test_a_two_share_round_from_one_command_on_three_nodes(learnable, tmp_path):
     shares = [r["exam"]["agreement_pct"] for r in reports]
     merged = record["result"]["agreement_pct"]
     baseline = record["baseline"]["agreement_pct"]
-    # The shares average every few seconds while they train (a fortieth of the budget), so the
+    # The shares sync every few seconds while they train (a fortieth of the budget), so the
     # merge has learned from both halves and scores at least as well as either share alone.
     assert all(r["training"]["averaged"] >= 5 for r in reports), reports
     assert record["share_average_seconds"] == pytest.approx(0.05 * 3600 / 40)
@@ -150,11 +156,11 @@ def test_a_node_lost_mid_round_leaves_its_share_out(learnable, tmp_path):
             target=lambda: result.update(record=run_round(settings)), daemon=True
         )
         runner.start()
-        # Wait until both shares train, then take away the node of one of them.
+        # Wait until both shares have synced, then take away the node of one of them.
         deadline = time.monotonic() + 300
         logs = [out / f"share-{i}" / "progress.log" for i in range(2)]
         while time.monotonic() < deadline and not all(
-            p.is_file() and "turn-passes" in p.read_text() for p in logs
+            p.is_file() and "synced with the other shares" in p.read_text() for p in logs
         ):
             time.sleep(0.5)
         state = json.loads((out / "round.json").read_text())
@@ -173,9 +179,15 @@ def test_a_node_lost_mid_round_leaves_its_share_out(learnable, tmp_path):
     assert lost["node"] == lost_node.node_id and lost["why"]
     survivor = next(r for r in record["share_reports"] if r["share"] != lost["share"])
     assert survivor["training"] is not None
-    # The survivor alone is the result: no merge of one.
-    assert "merge" not in record and record["result"] is not None
-    assert record["adapter"] == survivor["training"]["adapter"]
+    # The result is the averager's global adapter: the survivor's turns and what the lost share
+    # synced before its machine went, named with when it left.
+    merge = record["merge"]
+    assert merge["method"] == "outer" and record["adapter"] == merge["folder"]
+    assert record["result"] is not None
+    members = {m["share"]: m for m in merge["members"]}
+    gone = members[lost["share"]]
+    assert gone["turns_synced"] > 0 and gone["left_minute"] is not None
+    assert members[survivor["share"]]["turns_synced"] > 0
 
 
 def test_a_trainer_killed_with_sigkill_resumes_from_its_checkpoint(raw_student, corpus, tmp_path):

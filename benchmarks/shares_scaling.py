@@ -1,0 +1,223 @@
+"""Does a second machine make a better night? One trainer for H minutes, one for 2H, and N shares
+for H, on a simulated cluster of one-CPU nodes, with the same slice seed and paper, seeds 1 2 3.
+
+Each night is one `gbray round` command on the tiny student, `--threads 1`, its own recipe
+otherwise. The one-trainer nights run two at a time (two processes, one thread each, on two
+cores); a shares night has the machine to itself, one core per share: every run has one core per
+trainer. Shares run on a `ray.cluster_utils.Cluster` of a head and one node per share, each one
+CPU, launched with `--address`; each share's own adapter is examined beside the merge
+(`--examine-shares`). The baseline (the raw student names no tool) is skipped everywhere.
+
+Prints one JSON object: every night (result, turn-passes, each share's result and turn-passes,
+the merge's syncs), per variant the means with their spread, the ratios, and the scaling
+efficiency E = (shares - one at H) / (one at 2H - one at H): the part of what doubling the hours
+gains that N machines get in the same hours.
+
+    python benchmarks/shares_scaling.py                    # about 65 minutes on 2 cores
+    python benchmarks/shares_scaling.py --minutes 2 --seeds 1   # a quick look
+
+`--variants` compares ways of joining shares, each `outer_lr:outer_momentum` (the averager's
+outer optimizer, syncing every `--sync-minutes`) or `end` (no syncs: `cat` at the end, the exact
+average of the shares' updates).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from gbray.data.synth import SynthSettings, write_corpus
+from gbray.student import StudentSettings, build_student
+
+log = logging.getLogger("shares_scaling")
+
+
+def prepare(work: Path, turns: int, page_tokens: int) -> tuple[Path, Path]:
+    data, student = work / "data", work / "student"
+    if not (student / "config.json").is_file():
+        write_corpus(
+            SynthSettings(out=data, turns=turns, seed=5, prompt_tokens=page_tokens, wording="alt")
+        )
+        build_student(StudentSettings(data=data, out=student, pretrain_steps=450, seed=0))
+    return data, student
+
+
+def round_command(data: Path, student: Path, out: Path, minutes: float, seed: int, paper: int):
+    return [
+        sys.executable, "-m", "gbray.cli", "round", "--data", str(data), "--model", str(student),
+        "--out", str(out), "--hours", str(minutes / 60), "--seed", str(seed), "--threads", "1",
+        "--exam-turns", str(paper), "--skip-baseline",
+    ]  # fmt: skip
+
+
+def run_round(command: list[str], out: Path) -> dict:
+    if not (out / "round.json").is_file():
+        run = subprocess.run(command, capture_output=True, text=True)
+        if run.returncode != 0:
+            raise SystemExit(f"the night {out.name} failed:\n{run.stderr[-3000:]}")
+    return json.loads((out / "round.json").read_text())
+
+
+def one_trainer(data, student, out: Path, minutes: float, seed: int, paper: int) -> dict:
+    record = run_round(round_command(data, student, out, minutes, seed, paper), out)
+    return {
+        "result_pct": record["result"]["agreement_pct"],
+        "turn_passes": record["turn_passes"],
+        "steps": record["steps"],
+    }
+
+
+def shares_night(data, student, out: Path, minutes: float, seed: int, paper: int, shares: int,
+                 variant: str, sync_minutes: float) -> dict:  # fmt: skip
+    from ray.cluster_utils import Cluster
+
+    if variant == "end":
+        join = ["--share-average-minutes", "0"]
+    else:
+        lr, momentum = variant.split(":")
+        join = ["--share-average-minutes", str(sync_minutes), "--outer-lr", lr,
+                "--outer-momentum", momentum]  # fmt: skip
+    if not (out / "round.json").is_file():
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": 1, "resources": {"head": 1}, "include_dashboard": False},
+        )
+        for i in range(shares):
+            cluster.add_node(num_cpus=1, resources={f"worker{i}": 1})
+        cluster.wait_for_nodes()
+        try:
+            command = round_command(data, student, out, minutes, seed, paper)
+            run_round(
+                [*command, "--address", cluster.address, "--shares", str(shares),
+                 "--examine-shares", *join],
+                out,
+            )  # fmt: skip
+        finally:
+            cluster.shutdown()
+    record = json.loads((out / "round.json").read_text())
+    reports = record["share_reports"]
+    merge = record.get("merge") or {}
+    return {
+        "result_pct": record["result"]["agreement_pct"],
+        "turn_passes": sum((r["training"] or {}).get("turn_passes", 0) for r in reports),
+        "shares_pct": [(r["exam"] or {}).get("agreement_pct") for r in reports],
+        "shares_turn_passes": [(r["training"] or {}).get("turn_passes") for r in reports],
+        "merge": merge.get("method"),
+        "syncs": len(merge.get("syncs", [])),
+        "every_turns": merge.get("every_turns"),
+    }
+
+
+def mean_row(values: list[float]) -> dict:
+    return {
+        "mean": round(statistics.mean(values), 2),
+        "stdev": round(statistics.stdev(values), 2) if len(values) > 1 else None,
+        "each": values,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--minutes", type=float, default=6.0, help="H, the night's hours in minutes")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--shares", type=int, nargs="+", default=[2],
+                    help="share counts (one one-CPU node each; more than the cores is unfair)")  # fmt: skip
+    ap.add_argument("--variants", nargs="+", default=["2:0"],
+                    help="how shares join: outer_lr:outer_momentum, or end (cat at the end)")  # fmt: skip
+    ap.add_argument("--sync-minutes", type=float, default=0.15,
+                    help="the fastest share's time between syncs")  # fmt: skip
+    ap.add_argument("--paper", type=int, default=150, help="exam turns")
+    ap.add_argument("--turns", type=int, default=3000, help="training turns in the corpus")
+    ap.add_argument("--page-tokens", type=int, default=300, help="the corpus' prompt size")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/gbray-bench-scaling"),
+                    help="corpus, student and nights (a night already there is read, not rerun)")  # fmt: skip
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    data, student = prepare(args.work, args.turns, args.page_tokens)
+    H = args.minutes
+    started = time.monotonic()
+
+    def single(job):
+        minutes, seed = job
+        night = one_trainer(data, student, args.work / f"one-{minutes:g}min-seed{seed}",
+                            minutes, seed, args.paper)  # fmt: skip
+        log.info("one trainer, %g min, seed %d: %.1f%% (%d turn-passes) [%.0f min in]", minutes,
+                 seed, night["result_pct"], night["turn_passes"],
+                 (time.monotonic() - started) / 60)  # fmt: skip
+        return (minutes, seed), night
+
+    with ThreadPoolExecutor(2) as pool:
+        ones = dict(pool.map(single, [(m, s) for s in args.seeds for m in (2 * H, H)]))
+    nights = []
+    for seed in args.seeds:
+        for n in args.shares:
+            for variant in args.variants:
+                out = args.work / f"shares{n}-{variant.replace(':', '_')}-{H:g}min-seed{seed}"
+                night = shares_night(data, student, out, H, seed, args.paper, n, variant,
+                                     args.sync_minutes)  # fmt: skip
+                night.update(seed=seed, shares=n, variant=variant)
+                nights.append(night)
+                log.info("%d shares (%s), seed %d: %.1f%%, shares %s [%.0f min in]", n, variant,
+                         seed, night["result_pct"], night["shares_pct"],
+                         (time.monotonic() - started) / 60)  # fmt: skip
+    one_h = [ones[(H, s)]["result_pct"] for s in args.seeds]
+    one_2h = [ones[(2 * H, s)]["result_pct"] for s in args.seeds]
+    gain = statistics.mean(one_2h) - statistics.mean(one_h)
+    summary = {}
+    for n in args.shares:
+        for variant in args.variants:
+            mine = [x for x in nights if x["shares"] == n and x["variant"] == variant]
+            result = [x["result_pct"] for x in mine]
+            best_share = [max(p for p in x["shares_pct"] if p is not None) for x in mine]
+            passes = statistics.mean(x["turn_passes"] for x in mine) / statistics.mean(
+                ones[(H, s)]["turn_passes"] for s in args.seeds
+            )
+            over_one = statistics.mean(result) - statistics.mean(one_h)
+            efficiency = over_one / gain if gain > 0 else None
+            summary[f"{n} shares, {variant}"] = {
+                "result_pct": mean_row(result),
+                "best_share_pct": mean_row(best_share),
+                "minus_one_trainer_at_H_pct": round(over_one, 2),
+                "scaling_efficiency_E": None if efficiency is None else round(efficiency, 3),
+                "turn_passes_vs_one_trainer": round(passes, 3),
+                "checks": {
+                    "beats one trainer at H by >= 5 points": over_one >= 5,
+                    "E >= 0.7": efficiency is not None and efficiency >= 0.7,
+                    "mean >= the best share's mean": statistics.mean(result)
+                    >= statistics.mean(best_share),
+                    "turn-passes >= 1.8x one trainer's": passes >= 1.8,
+                },
+            }
+    report = {
+        "corpus": f"gbray synth --wording alt --turns {args.turns} --prompt-tokens "
+        f"{args.page_tokens} (40 tools)",
+        "student": "tiny, pre-trained 450 steps",
+        "minutes_H": H,
+        "seeds": args.seeds,
+        "sync_minutes": args.sync_minutes,
+        "one_trainer": {
+            "H": mean_row(one_h),
+            "2H": mean_row(one_2h),
+            "2H_minus_H_pct": round(gain, 2),
+            "headroom (2H >= H + 10 points)": gain >= 10,
+            "turn_passes_H": [ones[(H, s)]["turn_passes"] for s in args.seeds],
+            "turn_passes_2H": [ones[(2 * H, s)]["turn_passes"] for s in args.seeds],
+        },
+        "shares_nights": nights,
+        "summary": summary,
+        "wall_minutes": round((time.monotonic() - started) / 60, 1),
+    }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""How shares of one night become one adapter while they train: an outer optimizer over what each
+share moved since it last synced (DiLoCo, arXiv 2311.08105, made asynchronous as in Async
+Local-SGD, arXiv 2401.09135).
+
+The averager holds the night's global adapter. A share joins with its start and gets the global
+back (a share that joins late starts from what the others have learned). Every few turns it hands
+in its weights; what it moved since it was last handed the global (its pseudo-gradient, negated)
+is applied at once, scaled by `outer_lr / shares`, and it gets the new global back. Nobody waits:
+machines differ by 100x. A movement is added, never a position averaged in, so a slow share's
+stale update adds what it learned and does not drag the global back to where it last synced.
+Nesterov momentum is updated once per outer step (as many arrivals as there are shares: the
+delayed Nesterov of Async Local-SGD), so a fast share does not build momentum on its own.
+
+Outer lr 1 without momentum is the plain average of the shares' movements; outer lr = shares is
+their sum (each share's turns count as if one trainer had trained them in turn). The choice and
+its figures: the README's shares night. Optimizer moments stay in each share.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class Sync:
+    """One share's movement applied to the global: what round.json's `syncs` lists."""
+
+    share: int
+    turns: int  # turns it trained since its last sync: what the movement is worth
+    staleness: int  # other shares' syncs applied since it was last handed the global
+    weight: float  # the scale its movement was applied with
+    minute: float
+    final: bool = False
+
+
+@dataclass
+class Membership:
+    """A share's comings and goings, for round.json and the hub."""
+
+    share: int
+    joined_minute: float
+    left_minute: float | None = None
+    turns_synced: int = 0
+    syncs: int = 0
+
+
+@dataclass
+class OuterState:
+    """The global adapter, its momentum and the bookkeeping of who handed in what."""
+
+    weights: dict
+    momentum: dict
+    pending: dict  # movements applied since the momentum was last updated
+    arrivals: int = 0
+    version: int = 0
+
+
+class Averager:
+    """The night's global adapter and its outer optimizer (thread-safe: shares call at once)."""
+
+    def __init__(
+        self,
+        outer_lr: float = 1.0,
+        outer_momentum: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if not outer_lr > 0 or not 0 <= outer_momentum < 1:
+            raise ValueError("outer lr must be > 0 and outer momentum in [0, 1)")
+        self.outer_lr, self.outer_momentum, self.clock = outer_lr, outer_momentum, clock
+        self.began = clock()
+        self.state: OuterState | None = None
+        self.given: dict[int, tuple[dict, int]] = {}  # share -> (weights handed, version then)
+        self.members: dict[int, Membership] = {}
+        self.syncs: list[Sync] = []
+        self.lock = threading.Lock()
+
+    def minute(self) -> float:
+        return round((self.clock() - self.began) / 60, 3)
+
+    def live(self) -> int:
+        return len(self.given)
+
+    def join(self, share: int, weights: dict) -> dict:
+        """A share starts: the global so far (its own start, if it is the first)."""
+        with self.lock:
+            if self.state is None:
+                start = {k: v.detach().float().clone() for k, v in weights.items()}
+                zeros = {k: torch.zeros_like(v) for k, v in start.items()}
+                self.state = OuterState(start, zeros, {k: v.clone() for k, v in zeros.items()})
+            self.members.setdefault(share, Membership(share, self.minute()))
+            self.members[share].left_minute = None
+            return self._hand(share, like=weights)
+
+    def exchange(self, share: int, weights: dict, turns: int) -> dict:
+        """This share's weights in, its movement applied; the new global out."""
+        with self.lock:
+            self._apply(share, weights, turns, final=False)
+            return self._hand(share, like=weights)
+
+    def leave(self, share: int, weights: dict | None = None, turns: int = 0) -> None:
+        """A share is done: its last movement (if it trained since its last sync) is applied."""
+        with self.lock:
+            if share not in self.given:
+                return
+            if weights is not None and turns > 0:
+                self._apply(share, weights, turns, final=True)
+            del self.given[share]
+            self.members[share].left_minute = self.minute()
+
+    def drop(self, share: int) -> None:
+        """A share whose machine went away: what it synced stays in the global."""
+        with self.lock:
+            if self.given.pop(share, None) is not None:
+                self.members[share].left_minute = self.minute()
+
+    def result(self) -> tuple[dict, list[dict], list[dict]]:
+        """The global adapter, every sync and every share's membership."""
+        with self.lock:
+            if self.state is None:
+                raise RuntimeError("no share ever joined")
+            return (
+                {k: v.clone() for k, v in self.state.weights.items()},
+                [asdict(s) for s in self.syncs],
+                [asdict(m) for m in self.members.values()],
+            )
+
+    def _hand(self, share: int, like: dict) -> dict:
+        state = self.state
+        self.given[share] = ({k: v.clone() for k, v in state.weights.items()}, state.version)
+        return {k: state.weights[k].to(like[k].dtype) for k in like}
+
+    def _apply(self, share: int, weights: dict, turns: int, final: bool) -> None:
+        if share not in self.given:  # dropped as gone, then heard from again: it rejoins
+            self.given[share] = ({k: v.clone() for k, v in self.state.weights.items()},
+                                 self.state.version)  # fmt: skip
+            return
+        handed, version = self.given[share]
+        state = self.state
+        scale = self.outer_lr / max(1, len(self.given))
+        for k, w in state.weights.items():
+            step = (weights[k].detach().float() - handed[k]) * scale
+            w += step
+            state.pending[k] += step
+        staleness = state.version - version
+        state.arrivals += 1
+        state.version += 1
+        if self.outer_momentum > 0 and state.arrivals >= len(self.given):
+            # Nesterov, once per outer step: m <- mu m + g; the global gets mu m on top of g.
+            mu = self.outer_momentum
+            for k, w in state.weights.items():
+                state.momentum[k].mul_(mu).add_(state.pending[k])
+                w += mu * state.momentum[k]
+                state.pending[k].zero_()
+            state.arrivals = 0
+        self.syncs.append(Sync(share, turns, staleness, round(scale, 4), self.minute(), final))
+        member = self.members[share]
+        member.turns_synced += turns
+        member.syncs += 1
+
+
+def save_global(weights: dict, template: Path, out: Path) -> None:
+    """The global adapter as a PEFT folder: a share's adapter config, the global's weights."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(template / "adapter_config.json", out / "adapter_config.json")
+    save_file({k: v.contiguous() for k, v in weights.items()}, out / "adapter_model.safetensors")
