@@ -401,3 +401,28 @@ def test_gbrays_own_upload_still_lands(hub, tmp_path):
     (folder / "adapter_model.safetensors").write_bytes(save({"w": torch.rand(1000)}))
     body = pack_adapter(folder)
     assert call(hub, "PUT", f"/v1/training/rounds/{rid}/adapter", data=body).status_code == 200
+
+
+def test_a_share_is_shown_beside_its_merge_only_when_one_device_registered_both(hub):
+    def round_with(recipe, token=None):
+        body = {"device": "laptop", "base": "Qwen/Qwen2.5-0.5B-Instruct", "turns": 10,
+                "recipe": recipe}  # fmt: skip
+        r = call(hub, "POST", "/v1/training/rounds", token, json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["id"]
+
+    merge = round_with({"merge_of": 2})
+    mine = round_with({"share": 1, "of": 2, "share_of": merge})
+    # Another device names the laptop's merge (under the laptop's name), or sends junk.
+    theirs = round_with({"share": 0, "share_of": merge}, hub.other)
+    junk = round_with({"share": "<b>0</b>", "share_of": ["x"], "merge_of": "many"}, hub.other)
+    rows = {r["id"]: r for r in call(hub, "GET", "/v1/training/state", hub.owner).json()["rounds"]}
+    assert rows[merge]["merge_of"] == 2 and rows[merge]["share_of"] is None
+    assert (rows[mine]["share"], rows[mine]["share_of"]) == (1, merge)
+    assert (rows[theirs]["share"], rows[theirs]["share_of"]) == (0, None)
+    assert (rows[junk]["share"], rows[junk]["share_of"], rows[junk]["merge_of"]) == (
+        None,
+        None,
+        None,
+    )
+    assert all("token" not in r for r in rows.values())

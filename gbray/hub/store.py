@@ -49,6 +49,20 @@ CREATE TABLE IF NOT EXISTS serving (seq INTEGER PRIMARY KEY AUTOINCREMENT, round
 """
 
 
+def _small_count(value) -> int | None:
+    return value if isinstance(value, int) and 0 <= value <= 64 else None
+
+
+def shares_of(row: dict, token_of: dict[str, str]) -> None:
+    """A share names its merge round and a merge how many shares it joins, as the device's
+    recipe says; a share's merge counts only if the same token registered it (a device must not
+    put its rounds beside another's). The token's name leaves the row."""
+    row["share"], row["merge_of"] = _small_count(row["share"]), _small_count(row["merge_of"])
+    merge, token = row["share_of"], row.pop("token")
+    same = isinstance(merge, str) and token is not None and token_of.get(merge) == token
+    row["share_of"] = merge if same and row["share"] is not None else None
+
+
 class Conflict(Exception):
     """A request the hub refuses with 409, with the reason."""
 
@@ -391,15 +405,19 @@ class Store:
                     "SELECT id, device, base, turns, status, created, updated, ended, baseline, result, adapter, "
                     "paper, why, trained, stop, json_extract(recipe, '$.student') AS student, "
                     "json_extract(recipe, '$.start') AS start, json_extract(recipe, '$.trial') AS trial, "
+                    "json_extract(recipe, '$.share') AS share, json_extract(recipe, '$.share_of') AS share_of, "
+                    "json_extract(recipe, '$.merge_of') AS merge_of, token, "
                     "json_extract(end_body, '$.baseline.marks') AS before_marks, "
                     "json_extract(end_body, '$.result.marks') AS after_marks "
                     "FROM rounds "
                     "ORDER BY created DESC"
                 )
             ]
+        token_of = {r["id"]: r["token"] for r in rounds}
         for r in rounds:
             paired = pair(r.pop("before_marks"), r.pop("after_marks"))
             r["p_value"] = paired.p_value if paired else None
+            shares_of(r, token_of)
         return {"rounds": rounds, "coverage": self.coverage(), "serving": self.serving()}
 
     def _compared(self, body: dict | None) -> dict:

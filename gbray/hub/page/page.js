@@ -74,6 +74,7 @@ function roundRow(r, sv) {
     el("td", {}, r.device),
     el("td", {}, r.student ?? r.base),
     el("td", {}, (r.start ?? "–") + (r.trial ? " (trial)" : "")),
+    el("td", {}, part(r)),
     el("td", {}, r.status + (r.stop ? " (stop asked)" : "")),
     el("td", {}, num(r.trained) ?? "–"),
     el("td", {}, fmt(baseline)),
@@ -82,6 +83,13 @@ function roundRow(r, sv) {
     el("td", {}, sv && sv.round === r.id ? "serving" : ""));
   tr.addEventListener("click", () => { selected = r.id; refresh(); });
   return tr;
+}
+
+// A share names the merge round it is part of; a merge, how many shares it joins.
+function part(r) {
+  if (num(r.share) !== null && typeof r.share_of === "string") return `share ${r.share} of ${r.share_of}`;
+  if (num(r.merge_of) !== null) return `merge of ${r.merge_of} shares`;
+  return "";
 }
 
 function curve(points) {
