@@ -48,11 +48,20 @@ def shares_record(trained) -> dict:
                 "training": training_record(s.summary) if s.summary else None,
                 "exam": exam_record(s.exam),
                 "lost": s.lost,
+                "joined_minute": s.joined_minute,
+                "left_minute": s.left_minute,
             }
             for s in trained.shares
         ],
+        "joins": [
+            {"share": s.index, "node": s.node, "minute": s.joined_minute, "turns": s.turns}
+            for s in trained.shares
+            if s.joined_minute is not None
+        ],
         "lost_shares": [
-            {"share": s.index, "node": s.node, "why": s.lost} for s in trained.shares if s.lost
+            {"share": s.index, "node": s.node, "why": s.lost, "minute": s.left_minute}
+            for s in trained.shares
+            if s.lost
         ],
         "turns_trained": trained.turns_trained,
     }

@@ -371,6 +371,7 @@ class Round:
             average_every_seconds=average_every_seconds(s),
             outer_lr=s.outer_lr,
             outer_momentum=s.outer_momentum,
+            joins=s.share_joins,
             options=list(s.share_options),
         )
         trained = train_shares(night, s.shares, work.train, work.val, self.hub, self.note)

@@ -317,6 +317,12 @@ class RoundSettings:
     outer_momentum: float = setting(
         0.0, "the averager's Nesterov momentum, updated once per outer step (0: none)"
     )
+    share_joins: bool = setting(
+        False,
+        "keep a part of the slice back (one share's worth) for a machine that joins the cluster "
+        "during the night: it gets a share of its own, from the current average (needs "
+        "averaging)",
+    )
     share_grace: float = setting(
         120.0,
         "seconds a share's machine may be gone (after another share finished) before the "
@@ -356,6 +362,8 @@ class RoundSettings:
             problems.append("--share-average-minutes must be >= 0")
         if not self.outer_lr > 0 or not 0 <= self.outer_momentum < 1:
             problems.append("--outer-lr must be > 0 and --outer-momentum in [0, 1)")
+        if self.share_joins and self.share_average_minutes == 0:
+            problems.append("--share-joins needs averaging (--share-average-minutes > 0)")
         if not self.share_grace > 0:
             problems.append("--share-grace must be > 0")
         if not 0 <= self.fall_points <= 100 or self.fall_min_asked < 1:

@@ -42,6 +42,8 @@ class Share:
     out: str = ""
     adapter: str | None = None  # the adapter it gives the merge
     weight: float = 0.0  # its weight in the merge: the turns it trained
+    joined_minute: float | None = None  # a machine that joined during the night
+    left_minute: float | None = None  # a machine that went away
 
     def trained(self, summary: TrainSummary) -> None:
         self.summary, self.adapter, self.weight = summary, summary.best, summary.turns_trained
@@ -102,6 +104,7 @@ class ShareNight:
     average_every_seconds: float = 0.0  # 0: the shares meet only in the merge
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
+    joins: bool = False  # keep a part of the slice back for a machine that joins
     options: list[dict] = field(default_factory=list)  # per share: extra actor options (tests)
 
 
@@ -136,6 +139,7 @@ def train_shares(
 
     ray, recipe = night.ray, night.recipe
     bundle = {"CPU": recipe.threads, **({"GPU": 1} if recipe.device == "cuda" else {})}
+    present = {x["NodeID"] for x in ray.nodes() if x.get("Alive")}
     pg = placement_group([bundle] * n, strategy="SPREAD")
     if not pg.wait(timeout_seconds=60):
         remove_placement_group(pg)
@@ -145,48 +149,28 @@ def train_shares(
     nodes = _bundle_nodes(ray, pg)
     trained = Trained([Share(i, node=nodes[i]) for i in range(n)])
     trained.average_every_seconds = night.average_every_seconds
-    alive_nodes = sum(1 for x in ray.nodes() if x.get("Alive"))
+    alive_nodes = len(present)
     if len(set(nodes)) < n:
         trained.packed_note = (
             f"{n} shares packed onto {len(set(nodes))} machine(s): the cluster has "
             f"{alive_nodes} with room for one"
         )
         what(trained.packed_note)
-    hubs, trainers = [], []
     averager = _start_averager(ray, night)
+    running = Running(night, trained, hub, averager, what)
     try:
         for share in trained.shares:
-            share_hub = night.new_hub()
-            share.out = str(night.out / f"share-{share.index}")
-            share.hub_round = share_hub.register(
-                night.student_id, 0, {**night.hub_recipe, "share": share.index, "of": n}
-            )
-            options = {
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, share.index),
-                **(night.options[share.index] if share.index < len(night.options) else {}),
-            }
-            trainers.append(
-                launch_trainer(
-                    ray,
-                    night.model,
-                    night.start,
-                    recipe,
-                    Path(share.out),
-                    Path(share.out) / "progress.log",
-                    share_hub,
-                    night.start_name,
-                    f"{night.run_id}-share-{share.index}",
-                    options,
-                    (averager, share.index) if averager else None,
-                )  # fmt: skip
-            )
-            hubs.append(share_hub)
-        # Every share measures its own speed, then the parts are cut in proportion.
+            running.launch(share, PlacementGroupSchedulingStrategy(pg, share.index))
+        # Every share measures its own speed, then the parts are cut in proportion. With joins
+        # on, a part of the slice is kept back for a machine that joins during the night.
         sample = train[: PROBE_TURNS * max(1, recipe.batch)]
-        speeds = _wait_all(ray, [t.probe.remote(sample) for t in trainers], hub, "the speed probe")
+        speeds = _wait_all(
+            ray, [t.probe.remote(sample) for t in running.trainers], hub, "the speed probe"
+        )
         for share, speed in zip(trained.shares, speeds, strict=True):
             share.probe_turns_per_hour = round(speed, 1)
-        trained.split = split_by_speed(len(train), speeds)
+        kept_back = len(train) // (n + 1) if averager and night.joins else 0
+        trained.split = split_by_speed(len(train) - kept_back, speeds)
         if averager:
             ray.get(averager.set_every_turns.remote(sync_turns(night, speeds)))
         what(
@@ -195,27 +179,149 @@ def train_shares(
                 f"share {s.index} {p} turns ({s.probe_turns_per_hour:.0f} turns/h)"
                 for s, p in zip(trained.shares, trained.split, strict=True)
             )
+            + (f"; {kept_back} turns kept for a machine that joins" if kept_back else "")
         )
         # One clock for the night: every share's budget ends at the same moment, so they all
         # cool down together (gbray.schedule), whatever their speed.
-        ends_at = time.time() + recipe.hours * 3600
-        refs, at = [], 0
-        for share, trainer, part in zip(trained.shares, trainers, trained.split, strict=True):
-            share.turns = part
-            refs.append(trainer.train.remote(train[at : at + part], val, ends_at))
+        running.ends_at = time.time() + recipe.hours * 3600
+        at = 0
+        for share, part in zip(trained.shares, trained.split, strict=True):
+            running.train(share, train[at : at + part], val)
             at += part
-        _collect(night, trained, trainers, refs, hub, averager)
+        running.kept_back = train[at:]
+        running.present = present
+        running.wait()
         if averager and trained.survivors:
             trained.merged = ray.get(
                 averager.save.remote(trained.survivors[0].adapter, str(night.out / "merged"))
             )
-        for share, share_hub in zip(trained.shares, hubs, strict=True):
+        for share, share_hub in zip(trained.shares, running.hubs, strict=True):
             _end_share(share, share_hub)
     finally:
-        for actor in trainers + ([averager] if averager else []):
+        for actor in running.trainers + ([averager] if averager else []):
             ray.kill(actor, no_restart=True)
         remove_placement_group(pg)
     return trained
+
+
+class Running:
+    """The shares while they train: launching one (at the start, or on a machine that joined),
+    and waiting for all, leaving out one whose machine went away."""
+
+    def __init__(self, night: ShareNight, trained: Trained, hub, averager, what):
+        self.night, self.trained, self.hub, self.averager = night, trained, hub, averager
+        self.what = what  # a line on the round's log and hub
+        self.trainers, self.hubs, self.pending = [], [], {}
+        self.ends_at = 0.0
+        self.kept_back: list[dict] = []
+        self.val: list[dict] = []
+        self.present: set[str] = set()
+        self.began = time.monotonic()
+
+    def launch(self, share: Share, strategy) -> None:
+        night = self.night
+        share_hub = night.new_hub()
+        share.out = str(night.out / f"share-{share.index}")
+        share.hub_round = share_hub.register(
+            night.student_id, 0, {**night.hub_recipe, "share": share.index, "of": len(self.trained.shares)}
+        )
+        options = {
+            "scheduling_strategy": strategy,
+            **(night.options[share.index] if share.index < len(night.options) else {}),
+        }
+        self.trainers.append(
+            launch_trainer(
+                night.ray, night.model, night.start, night.recipe, Path(share.out),
+                Path(share.out) / "progress.log", share_hub, night.start_name,
+                f"{night.run_id}-share-{share.index}", options,
+                (self.averager, share.index) if self.averager else None,
+            )  # fmt: skip
+        )
+        self.hubs.append(share_hub)
+
+    def train(self, share: Share, turns: list[dict], val: list[dict]) -> None:
+        share.turns, self.val = len(turns), val
+        trainer = self.trainers[share.index]
+        self.pending[share.index] = trainer.train.remote(turns, val, self.ends_at)
+
+    def minute(self) -> float:
+        return round((time.monotonic() - self.began) / 60, 2)
+
+    def welcome_joiners(self) -> None:
+        """A machine that joined the cluster since the night began gets a share of its own: the
+        turns kept back, from the current global adapter (Ray has no node-joined event: its
+        node list is read at every look)."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        ray, recipe = self.night.ray, self.night.recipe
+        cooldown = recipe.cooldown * recipe.hours * 3600
+        if not self.kept_back or time.time() > self.ends_at - cooldown:
+            return  # a machine that joins during the cool-down has nothing to add
+        for node in ray.nodes():
+            if not node.get("Alive") or node["NodeID"] in self.present:
+                continue
+            self.present.add(node["NodeID"])
+            if node["Resources"].get("CPU", 0) < recipe.threads:
+                continue
+            share = Share(len(self.trained.shares), node=node["NodeID"])
+            share.joined_minute = self.minute()
+            self.trained.shares.append(share)
+            self.launch(share, NodeAffinitySchedulingStrategy(node["NodeID"], soft=False))
+            turns, self.kept_back = self.kept_back, []
+            self.train(share, turns, self.val)
+            line = (
+                f"a machine joined ({node['NodeID'][:12]}, minute {share.joined_minute}): share "
+                f"{share.index} trains the {len(turns)} turns kept back, from the current average"
+            )
+            self.what(line)
+            return
+
+    def wait(self) -> None:
+        """Wait for every share; one whose actor died, or whose machine has been gone past the
+        grace once another share finished, is left out with the reason (what it synced stays)."""
+        ray, night, shares = self.night.ray, self.night, self.trained.shares
+        gone_since: dict[int, float] = {}
+        finished = 0
+        while self.pending:
+            done, _ = ray.wait(list(self.pending.values()), num_returns=1, timeout=1.0)
+            if self.hub.stopped():
+                raise Stopped("stopped by the owner during training")
+            for i, ref in list(self.pending.items()):
+                if ref not in done:
+                    continue
+                del self.pending[i]
+                finished += 1
+                try:
+                    shares[i].trained(ray.get(ref))
+                except Exception as e:  # noqa: BLE001 - a lost share is a value in the report
+                    reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                    self.lose(i, f"its trainer died: {type(e).__name__}: {reason[:300]}")
+            if self.averager:
+                self.welcome_joiners()
+            if not self.pending or not finished:
+                continue
+            # Someone finished: a share whose actor is not alive gets the grace, then is left out.
+            now = time.monotonic()
+            for i in list(self.pending):
+                if _answers(ray, self.trainers[i]):
+                    gone_since.pop(i, None)
+                    continue
+                since = gone_since.setdefault(i, now)
+                if now - since > night.grace_seconds:
+                    self.lose(
+                        i,
+                        f"its machine went away ({shares[i].node}) and it did not come back "
+                        f"within {night.grace_seconds:.0f} s",
+                    )
+                    del self.pending[i]
+
+    def lose(self, i: int, why: str) -> None:
+        share = self.trained.shares[i]
+        share.lost, share.left_minute = why, self.minute()
+        log.warning("share %d lost: %s", i, why)
+        self.what(f"share {i} left the night at minute {share.left_minute}: {why}")
+        if self.averager:
+            self.averager.drop.remote(i)
 
 
 def _start_averager(ray, night: ShareNight):
@@ -246,48 +352,6 @@ def _wait_all(ray, refs, hub, what: str) -> list:
         if pending and hub.stopped():
             raise Stopped(f"stopped by the owner during {what}")
     return ray.get(refs)
-
-
-def _collect(night: ShareNight, trained: Trained, trainers, refs, hub, averager) -> None:
-    """Wait for every share; one whose actor died, or whose machine has been gone past the grace
-    once another share finished, is left out with the reason."""
-    ray = night.ray
-    pending = dict(enumerate(refs))
-    gone_since: dict[int, float] = {}
-    while pending:
-        done, _ = ray.wait(list(pending.values()), num_returns=1, timeout=1.0)
-        if hub.stopped():
-            raise Stopped("stopped by the owner during training")
-        for i, ref in list(pending.items()):
-            if ref not in done:
-                continue
-            del pending[i]
-            try:
-                trained.shares[i].trained(ray.get(ref))
-            except Exception as e:  # noqa: BLE001 - a lost share is a value in the report
-                reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                trained.shares[i].lost = f"its trainer died: {type(e).__name__}: {reason[:300]}"
-                log.warning("share %d lost: %s", i, trained.shares[i].lost)
-                if averager:
-                    averager.drop.remote(i)
-        if not pending or len(pending) == len(refs):
-            continue
-        # Someone finished: a share whose actor is not alive gets the grace, then is left out.
-        now = time.monotonic()
-        for i in list(pending):
-            if _answers(ray, trainers[i]):
-                gone_since.pop(i, None)
-                continue
-            since = gone_since.setdefault(i, now)
-            if now - since > night.grace_seconds:
-                trained.shares[i].lost = (
-                    f"its machine went away ({trained.shares[i].node}) and it did not come back "
-                    f"within {night.grace_seconds:.0f} s"
-                )
-                log.warning("share %d lost: %s", i, trained.shares[i].lost)
-                if averager:
-                    averager.drop.remote(i)
-                del pending[i]
 
 
 def _end_share(share: Share, share_hub) -> None:

@@ -119,3 +119,17 @@ def test_the_trainer_carries_on_from_the_average_it_is_handed(raw_student, corpu
     assert sync.joined == 1 and sync.turns == [2, 2, 2, 2] and sync.left[1] == 0
     lora = get_peft_model_state_dict(trainer.model)
     assert lora and all(float(v.abs().max()) == 0.0 for v in lora.values())
+
+
+def test_syncs_come_every_so_many_turns_of_the_fastest_share():
+    from types import SimpleNamespace
+
+    from gbray.shares import sync_turns
+
+    night = SimpleNamespace(
+        recipe=SimpleNamespace(batch=8, accum=2), average_every_seconds=9.0
+    )  # fmt: skip
+    # 36,000 turns an hour is 10 a second: 90 turns in 9 s, whatever the slower shares do.
+    assert sync_turns(night, [36_000.0, 12_000.0]) == 90
+    # A machine too slow for one step in the interval still syncs once per step (16 turns).
+    assert sync_turns(night, [600.0]) == 16

@@ -47,14 +47,22 @@ def quick(**kw):
     return Recipe(**base)
 
 
-def test_a_two_share_round_from_one_command_on_three_nodes(learnable, tmp_path):
+def test_a_two_share_round_from_one_command_on_three_nodes_through_a_hub(learnable, tmp_path):
+    from hubutil import HubProcess
+
+    from gbray.hub.store import Store
+
     corpus, student = learnable
+    hub = HubProcess(tmp_path / "hub")
+    Store(hub.db).load(corpus / "train.jsonl", corpus / "eval.jsonl")
+    hub.start()
     c, _ = cluster("laptop", "desktop")
     out = tmp_path / "night"
     try:
         run = subprocess.run(
             [
                 sys.executable, "-m", "gbray.cli", "round", "--address", c.address,
+                "--hub", hub.url, "--token", hub.device,
                 "--shares", "2", "--examine-shares", "--data", str(corpus), "--model", str(student),
                 "--out", str(out), "--hours", "0.05", "--epochs", "4", "--turns", "1600",
                 "--lr", "3e-3", "--batch", "8", "--accum", "1", "--lora-r", "16", "--lora-alpha", "32",
@@ -67,10 +75,12 @@ def test_a_two_share_round_from_one_command_on_three_nodes(learnable, tmp_path):
             ],
             capture_output=True, text=True, timeout=900,
         )  # fmt: skip
+        assert run.returncode == 0, run.stderr[-3000:]
+        record = json.loads((out / "round.json").read_text())
+        through_the_hub(hub, record)
     finally:
         c.shutdown()
-    assert run.returncode == 0, run.stderr[-3000:]
-    record = json.loads((out / "round.json").read_text())
+        hub.stop()
     reports = record["share_reports"]
     assert len(reports) == 2 and not record["lost_shares"]
     assert reports[0]["node"] != reports[1]["node"], "both shares ran on one node"
@@ -98,6 +108,33 @@ def test_a_two_share_round_from_one_command_on_three_nodes(learnable, tmp_path):
     assert "baseline exam beside the shares" in (out / "progress.log").read_text() or any(
         "beside the shares" in line for line in run.stderr.splitlines()
     )
+
+
+def through_the_hub(hub, record: dict) -> None:
+    """Each share is a round of its own on the hub, with its notes and curve, shown beside the
+    merge round, which names them; the owner promotes the merge (it beat its baseline)."""
+    import requests
+
+    def get(path):
+        r = requests.get(hub.url + path, headers=hub.headers("owner"), timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    merge = record["hub_round"]
+    shares = [r["hub_round"] for r in record["share_reports"]]
+    assert merge and all(shares) and len(set(shares)) == 2
+    rows = {r["id"]: r for r in get("/v1/training/state")["rounds"]}
+    assert rows[merge]["merge_of"] == 2 and rows[merge]["status"] == "done"
+    for i, rid in enumerate(shares):
+        assert (rows[rid]["share"], rows[rid]["share_of"]) == (i, merge)
+        stored = get(f"/v1/training/rounds/{rid}")
+        assert stored["status"] == "done" and stored["notes"] and stored["checks"]
+    assert get(f"/v1/training/rounds/{merge}")["end_body"]["shares"] == shares
+    promoted = requests.post(
+        hub.url + f"/v1/training/rounds/{merge}/promote", headers=hub.headers("owner"), timeout=30
+    )
+    assert promoted.status_code == 200, promoted.text
+    assert get("/v1/training/state")["serving"]["round"] == merge
 
 
 def test_shares_of_unequal_speed_get_unequal_parts_and_end_together(learnable, tmp_path):
@@ -134,6 +171,96 @@ def test_shares_of_unequal_speed_get_unequal_parts_and_end_together(learnable, t
     # Each cooled down before its end, and they cooled down together.
     began = [r["training"]["schedule"]["cooldown_began_minute"] for r in (fast, slower)]
     assert all(b is not None for b in began) and abs(began[0] - began[1]) <= 0.2 + 0.1, began
+
+
+def test_a_slow_share_syncs_less_and_does_not_hold_the_fast_one_back(learnable, tmp_path):
+    import ray
+
+    corpus, student = learnable
+    from gbray.round import run_round
+    from gbray.settings import RoundSettings
+
+    c, _ = cluster("laptop", "desktop", head_cpus=0)
+    slow = {"runtime_env": {"env_vars": {"GBRAY_SIMULATED_SLOWDOWN": "0.05"}}}
+    # Time-bound nights (more epochs than the minute allows), with and without the slow share.
+    night = quick(hours=1.0 / 60, epochs=50, turns=240, val_every_minutes=0.3)
+    try:
+        ray.init(address=c.address)
+        both = run_round(
+            RoundSettings(
+                data=corpus, model=str(student), out=tmp_path / "both", shares=2,
+                share_options=({}, slow), skip_baseline=True, recipe=night,
+            )
+        )  # fmt: skip
+        alone = run_round(
+            RoundSettings(
+                data=corpus, model=str(student), out=tmp_path / "alone", skip_baseline=True,
+                recipe=night,
+            )
+        )  # fmt: skip
+    finally:
+        ray.shutdown()
+        c.shutdown()
+    fast, slower = both["share_reports"]
+    assert fast["probe_turns_per_hour"] > 2 * slower["probe_turns_per_hour"]
+    # Nobody waits: the fast share trains what one trainer alone trains in the same minute.
+    passes = fast["training"]["turn_passes"], alone["turn_passes"]
+    assert abs(passes[0] - passes[1]) <= 0.1 * passes[1], passes
+    # Syncs come every so many turns, so the slow share syncs less often; each sync counts the
+    # turns behind it, and every turn a share trained is in its syncs (the last when it left).
+    merge = both["merge"]
+    syncs = {i: [x for x in merge["syncs"] if x["share"] == i] for i in (0, 1)}
+    assert len(syncs[1]) < len(syncs[0]) / 1.5, (len(syncs[0]), len(syncs[1]))
+    assert all(x["turns"] >= merge["every_turns"] for x in syncs[1] if not x["final"])
+    members = {m["share"]: m for m in merge["members"]}
+    for i, report in enumerate((fast, slower)):
+        assert members[i]["turns_synced"] == report["training"]["turn_passes"]
+        assert all(x["weight"] == syncs[i][0]["weight"] for x in syncs[i])
+
+
+def test_a_machine_that_joins_mid_night_gets_a_share_of_its_own(learnable, tmp_path):
+    import ray
+
+    corpus, student = learnable
+    from gbray.round import run_round
+    from gbray.settings import RoundSettings
+
+    c, _ = cluster("laptop", "desktop", head_cpus=0)
+    out = tmp_path / "r"
+    result = {}
+    try:
+        ray.init(address=c.address)
+        settings = RoundSettings(
+            data=corpus, model=str(student), out=out, shares=2, share_joins=True,
+            skip_baseline=True, recipe=quick(hours=1.5 / 60, epochs=50, turns=240),
+        )  # fmt: skip
+        runner = threading.Thread(
+            target=lambda: result.update(record=run_round(settings)), daemon=True
+        )
+        runner.start()
+        deadline = time.monotonic() + 300
+        logs = [out / f"share-{i}" / "progress.log" for i in range(2)]
+        while time.monotonic() < deadline and not all(
+            p.is_file() and "synced with the other shares" in p.read_text() for p in logs
+        ):
+            time.sleep(0.5)
+        late = c.add_node(num_cpus=1, resources={"late": 1})
+        runner.join(timeout=600)
+    finally:
+        ray.shutdown()
+        c.shutdown()
+    record = result["record"]
+    assert record["status"] == "done", record.get("why")
+    assert [j["share"] for j in record["joins"]] == [2]
+    joined = record["joins"][0]
+    assert joined["node"] == late.node_id and joined["minute"] > 0
+    # It trained the turns kept back, from the current average, and its syncs are in the result.
+    assert sum(record["share_split"]) + joined["turns"] == record["slice_turns"]
+    report = record["share_reports"][2]
+    assert report["training"]["turn_passes"] > 0 and report["joined_minute"] == joined["minute"]
+    members = {m["share"]: m for m in record["merge"]["members"]}
+    assert members[2]["turns_synced"] == report["training"]["turn_passes"]
+    assert members[2]["joined_minute"] > members[0]["joined_minute"]
 
 
 def test_a_node_lost_mid_round_leaves_its_share_out(learnable, tmp_path):
