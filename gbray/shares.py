@@ -223,7 +223,9 @@ class Running:
         share_hub = night.new_hub()
         share.out = str(night.out / f"share-{share.index}")
         share.hub_round = share_hub.register(
-            night.student_id, 0, {**night.hub_recipe, "share": share.index, "of": len(self.trained.shares)}
+            night.student_id,
+            0,
+            {**night.hub_recipe, "share": share.index, "of": len(self.trained.shares)},
         )
         options = {
             "scheduling_strategy": strategy,
@@ -231,9 +233,16 @@ class Running:
         }
         self.trainers.append(
             launch_trainer(
-                night.ray, night.model, night.start, night.recipe, Path(share.out),
-                Path(share.out) / "progress.log", share_hub, night.start_name,
-                f"{night.run_id}-share-{share.index}", options,
+                night.ray,
+                night.model,
+                night.start,
+                night.recipe,
+                Path(share.out),
+                Path(share.out) / "progress.log",
+                share_hub,
+                night.start_name,
+                f"{night.run_id}-share-{share.index}",
+                options,
                 (self.averager, share.index) if self.averager else None,
             )  # fmt: skip
         )
