@@ -155,8 +155,9 @@ class AveragerActor:
         self.averager = Averager(outer_lr, outer_momentum)
         self.every = float("inf")
 
-    def set_every_turns(self, turns: int) -> None:
+    def set_every_turns(self, turns: int, speeds: dict[int, float]) -> None:
         self.every = turns
+        self.averager.set_speeds(speeds)
 
     def every_turns(self) -> float:
         return self.every

@@ -5,7 +5,8 @@ Local-SGD, arXiv 2401.09135).
 The averager holds the night's global adapter. A share joins with its start and gets the global
 back (a share that joins late starts from what the others have learned). Every few turns it hands
 in its weights; what it moved since it was last handed the global (its pseudo-gradient, negated)
-is applied at once, scaled by `outer_lr / shares`, and it gets the new global back. Nobody waits:
+is applied at once, scaled by `outer_lr` over the live shares (counted by their speed relative to
+the fastest), and it gets the new global back. Nobody waits:
 machines differ by 100x. A movement is added, never a position averaged in, so a slow share's
 stale update adds what it learned and does not drag the global back to where it last synced.
 Nesterov momentum is updated once per outer step (as many arrivals as there are shares: the
@@ -79,7 +80,20 @@ class Averager:
         self.given: dict[int, tuple[dict, int]] = {}  # share -> (weights handed, version then)
         self.members: dict[int, Membership] = {}
         self.syncs: list[Sync] = []
+        self.speeds: dict[int, float] = {}  # share -> speed relative to the fastest (1 unknown)
         self.lock = threading.Lock()
+
+    def set_speeds(self, speeds: dict[int, float]) -> None:
+        """The shares' measured speeds. A movement is scaled by outer_lr over the live shares'
+        speeds relative to the fastest: with equal speeds that is 1/N (the average); a share
+        three times slower counts a third, so the fast shares move the global as fast as they
+        would without it, and its own (rarer) movements add to theirs."""
+        top = max(speeds.values(), default=0.0)
+        with self.lock:
+            self.speeds = {i: v / top for i, v in speeds.items()} if top > 0 else {}
+
+    def shares_worth(self) -> float:
+        return sum(self.speeds.get(i, 1.0) for i in self.given)
 
     def minute(self) -> float:
         return round((self.clock() - self.began) / 60, 3)
@@ -143,7 +157,7 @@ class Averager:
             return
         handed, version = self.given[share]
         state = self.state
-        scale = self.outer_lr / max(1, len(self.given))
+        scale = self.outer_lr / max(1.0, self.shares_worth())
         for k, w in state.weights.items():
             step = (weights[k].detach().float() - handed[k]) * scale
             w += step

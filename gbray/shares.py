@@ -172,7 +172,9 @@ def train_shares(
         kept_back = len(train) // (n + 1) if averager and night.joins else 0
         trained.split = split_by_speed(len(train) - kept_back, speeds)
         if averager:
-            ray.get(averager.set_every_turns.remote(sync_turns(night, speeds)))
+            ray.get(
+                averager.set_every_turns.remote(sync_turns(night, speeds), dict(enumerate(speeds)))
+            )
         what(
             "shares sized by speed: "
             + ", ".join(

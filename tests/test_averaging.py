@@ -133,3 +133,16 @@ def test_syncs_come_every_so_many_turns_of_the_fastest_share():
     assert sync_turns(night, [36_000.0, 12_000.0]) == 90
     # A machine too slow for one step in the interval still syncs once per step (16 turns).
     assert sync_turns(night, [600.0]) == 16
+
+
+def test_a_slow_share_counts_by_its_speed_and_does_not_slow_the_fast_one():
+    averager = Averager(outer_lr=1.0, clock=Clock())
+    for share in (0, 1):
+        averager.join(share, weights(0.0))
+    averager.set_speeds({0: 3000.0, 1: 1000.0})  # share 1 is three times slower
+    for _ in range(3):  # the fast share syncs three times, +1 each: counted 1 / (1 + 1/3)
+        averager.exchange(0, weights(averager_view(averager, 0) + 1.0), 30)
+    averager.exchange(1, weights(1.0), 30)  # the slow share's one sync in that time, +1
+    # The fast share alone would have moved the global by 3; with the slow one beside it, 4 * 0.75.
+    assert torch.allclose(averager.state.weights["a"], torch.full((2, 3), 3.0))
+    assert {s.weight for s in averager.syncs} == {0.75}
