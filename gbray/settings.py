@@ -306,8 +306,9 @@ class RoundSettings:
     )
     share_average_minutes: float | None = setting(
         None,
-        "every this many minutes each share's adapter becomes the average of all shares' "
-        "(local SGD; 0: shares meet only in the merge; default: a fortieth of --hours, at most 2)",
+        "shares sync with the night's global adapter every this many minutes of the fastest "
+        "share's training (counted in turns; 0: shares meet only in the merge; default: a "
+        "fortieth of --hours, at most 2)",
     )
     outer_lr: float = setting(
         1.0,
@@ -373,9 +374,9 @@ class RoundSettings:
 
 
 def average_every_seconds(settings: RoundSettings) -> float:
-    """How often shares average while they train: the setting, else a fortieth of the budget,
-    at most two minutes (a share averages only after an optimizer step, so a slow machine
-    averages once a step). Figures, and how noisy they are: the README's shares night."""
+    """How often shares sync while they train, in the fastest share's seconds: the setting,
+    else a fortieth of the budget, at most two minutes (`gbray.shares.sync_turns` turns it into
+    turns). Figures: the README's shares night."""
     if settings.share_average_minutes is not None:
         return settings.share_average_minutes * 60
     return min(120.0, settings.recipe.hours * 3600 / 40)
