@@ -262,21 +262,23 @@ class Round:
         return None, answer
 
     def baseline(self, work: Work, start: str | None) -> Baseline:
-        """The start's score before training: known on the hub, measured now (or beside the
-        shares, where the cluster has room), or read at the end if another device measures it."""
-        if self.settings.skip_baseline:
+        """The start's score before training (`baseline_plan` says how it is had)."""
+        s = self.settings
+        known, answer = (None, None) if s.skip_baseline else self.known_baseline(work)
+        plan = baseline_plan(s.skip_baseline, known is not None, answer, s.shares,
+                             self.room_beside_shares)  # fmt: skip
+        if plan == "skipped":
             self.note("baseline skipped (--skip-baseline)")
             return Baseline()
-        known, answer = self.known_baseline(work)
-        if known:
+        if plan == "known":
             self.note(
                 f"baseline known on the hub: {known.agreement_pct:.1f}% (measured by {known.by})"
             )
             return Baseline(known=known)
-        if answer and not answer.get("measure"):
+        if plan == "deferred":
             self.note(f"baseline being measured by {answer.get('by')}; training at once")
             return Baseline(deferred=True)
-        if self.settings.shares > 1 and self.room_beside_shares():
+        if plan == "beside":
             self.note("baseline exam beside the shares (the cluster has room)")
             return Baseline(running=self.launch_exam(start, work, "baseline"))
         return Baseline(known=self.measure(start, work))
@@ -378,11 +380,7 @@ class Round:
         self.record.update(rec.shares_record(trained))
         self.write()
         self.record_choices([x.summary.choices if x.summary else None for x in trained.shares])
-        if not trained.survivors:
-            raise RuntimeError(
-                "no share survived: "
-                + "; ".join(f"share {x.index}: {x.lost}" for x in trained.shares)
-            )
+        check_survivors(trained)
         return trained
 
     def record_choices(self, choices: list[dict | None]) -> None:
@@ -392,10 +390,12 @@ class Round:
         (self.out / "recipe.json").write_text(json.dumps(recipe, indent=2))
 
     def merge(self, trained: Trained) -> str:
-        """The adapter the result exam takes: the one share's, or the survivors' merged (a Ray
-        task over the merge module, weighted by the turns each trained)."""
+        """The adapter the result exam takes (`merge_plan`): the averager's global adapter, the
+        one survivor's, or the survivors' merged (a Ray task over the merge module, weighted by
+        the turns each trained)."""
         survivors = trained.survivors
-        if trained.merged:
+        plan = merge_plan(trained, bool(self.merge_inputs), self.settings.merge_method)
+        if plan == "outer":
             # The shares synced while they trained: the averager's global adapter is the merge
             # (with what a lost share synced before it went).
             m = trained.merged
@@ -406,18 +406,15 @@ class Round:
             self.record.update(merge={"method": "outer", **m}, adapter=m["folder"])
             self.write()
             return m["folder"]
-        if len(survivors) == 1:
+        if plan == "one":
             self.record["adapter"] = survivors[0].adapter
             return survivors[0].adapter
         out = self.out / "merged"
         task = self.ray.remote(num_cpus=1)(merge_task)
         report = self.ray.get(
             task.remote(
-                [s.adapter for s in survivors],
-                str(out),
-                "fedavg" if self.merge_inputs else self.settings.merge_method,
-                [s.weight for s in survivors],
-            )
+                [s.adapter for s in survivors], str(out), plan, [s.weight for s in survivors]
+            )  # fmt: skip
         )
         self.note(
             f"merged {len(survivors)} shares ({report['method']}, rank {report['rank']}, "
@@ -494,6 +491,41 @@ class Round:
             self.note(f"paired on {paired.turns} turns: {paired.sentence()}")
         for fell in compared["fell"]:
             self.note(f"tool {fell['tool']} fell: {fell['before']} -> {fell['after']}")
+
+
+def baseline_plan(skip: bool, known: bool, answer: dict | None, shares: int,
+                  room_beside_shares) -> str:  # fmt: skip
+    """How the start's score is had: `skipped` (asked), `known` (on the hub), `deferred` (another
+    device is measuring it: read it at the end), `beside` (measured while the shares train, where
+    the cluster has room), or `now` (measured before training)."""
+    if skip:
+        return "skipped"
+    if known:
+        return "known"
+    if answer and not answer.get("measure"):
+        return "deferred"
+    if shares > 1 and room_beside_shares():
+        return "beside"
+    return "now"
+
+
+def merge_plan(trained: Trained, merging_inputs: bool, method: str) -> str:
+    """What the result exam takes: `outer` (the shares synced: the averager's global adapter,
+    with what a lost share synced), `one` (a single survivor), or the merge method that joins
+    the survivors (`fedavg` for the field's `merge:` syntax)."""
+    if trained.merged:
+        return "outer"
+    if len(trained.survivors) == 1:
+        return "one"
+    return "fedavg" if merging_inputs else method
+
+
+def check_survivors(trained: Trained) -> None:
+    """A night whose every share was lost has nothing to examine: it fails, naming why."""
+    if not trained.survivors:
+        raise RuntimeError(
+            "no share survived: " + "; ".join(f"share {x.index}: {x.lost}" for x in trained.shares)
+        )
 
 
 def run_round(settings: RoundSettings) -> dict:

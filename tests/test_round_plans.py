@@ -1,0 +1,49 @@
+"""The round's decisions, without Ray and in milliseconds: how the baseline is had, what the
+result exam takes after shares, and a night whose every share was lost."""
+
+import pytest
+
+from gbray.round import baseline_plan, check_survivors, merge_plan
+from gbray.shares import Share, Trained
+
+
+def never():
+    raise AssertionError("the cluster's room was asked for where it does not matter")
+
+
+@pytest.mark.parametrize(
+    ("skip", "known", "answer", "shares", "room", "plan"),
+    [
+        (True, False, None, 2, never, "skipped"),
+        (False, True, {"known": True}, 2, never, "known"),
+        (False, False, {"known": False, "measure": False, "by": "desktop"}, 1, never, "deferred"),
+        (False, False, {"known": False, "measure": True}, 2, lambda: True, "beside"),
+        (False, False, {"known": False, "measure": True}, 2, lambda: False, "now"),
+        (False, False, None, 1, never, "now"),  # no hub: measured before training
+    ],
+)
+def test_how_the_baseline_is_had(skip, known, answer, shares, room, plan):
+    assert baseline_plan(skip, known, answer, shares, room) == plan
+
+
+def shares(*lost: int, n: int = 3) -> list[Share]:
+    out = []
+    for i in range(n):
+        share = Share(i, adapter=f"share-{i}/best")
+        share.lost = "its machine went away" if i in lost else None
+        out.append(share)
+    return out
+
+
+def test_what_the_result_exam_takes():
+    synced = Trained(shares(1), merged={"folder": "merged"})
+    assert merge_plan(synced, False, "cat") == "outer"  # even with a share lost
+    assert merge_plan(Trained(shares(1, 2)), False, "cat") == "one"
+    assert merge_plan(Trained(shares()), False, "svd") == "svd"
+    assert merge_plan(Trained(shares()), True, "cat") == "fedavg"  # the field's merge: syntax
+
+
+def test_a_night_whose_every_share_was_lost_fails_naming_why():
+    check_survivors(Trained(shares(0, 1)))  # one survived: nothing to say
+    with pytest.raises(RuntimeError, match="no share survived: share 0: its machine went away"):
+        check_survivors(Trained(shares(0, 1, 2)))
