@@ -137,42 +137,6 @@ def through_the_hub(hub, record: dict) -> None:
     assert get("/v1/training/state")["serving"]["round"] == merge
 
 
-def test_shares_of_unequal_speed_get_unequal_parts_and_end_together(learnable, tmp_path):
-    import ray
-
-    corpus, student = learnable
-    from gbray.round import run_round
-    from gbray.settings import RoundSettings
-
-    c, _ = cluster("laptop", "desktop", head_cpus=0)
-    slow = {"runtime_env": {"env_vars": {"GBRAY_SIMULATED_SLOWDOWN": "0.15"}}}
-    try:
-        ray.init(address=c.address)
-        record = run_round(
-            RoundSettings(
-                data=corpus, model=str(student), out=tmp_path / "r", shares=2,
-                share_options=({}, slow), skip_baseline=True,
-                recipe=quick(hours=4 / 60, epochs=2, turns=160, val_every_minutes=0.2),
-            )
-        )  # fmt: skip
-    finally:
-        ray.shutdown()
-        c.shutdown()
-    fast, slower = record["share_reports"]
-    speeds = fast["probe_turns_per_hour"], slower["probe_turns_per_hour"]
-    assert speeds[0] > 1.5 * speeds[1], speeds
-    split = record["share_split"]
-    assert split[0] > split[1]
-    # The split follows the measured speeds.
-    assert abs(split[0] / sum(split) - speeds[0] / sum(speeds)) < 0.05, (split, speeds)
-    minutes = [r["training"]["training_minutes"] for r in (fast, slower)]
-    assert all(r["training"]["why"] == "finished" for r in (fast, slower))
-    assert abs(minutes[0] - minutes[1]) <= 0.2 + 0.1, minutes  # one validation interval
-    # Each cooled down before its end, and they cooled down together.
-    began = [r["training"]["schedule"]["cooldown_began_minute"] for r in (fast, slower)]
-    assert all(b is not None for b in began) and abs(began[0] - began[1]) <= 0.2 + 0.1, began
-
-
 def test_a_slow_share_syncs_less_and_does_not_hold_the_fast_one_back(learnable, tmp_path):
     import ray
 
@@ -202,7 +166,15 @@ def test_a_slow_share_syncs_less_and_does_not_hold_the_fast_one_back(learnable, 
         ray.shutdown()
         c.shutdown()
     fast, slower = both["share_reports"]
-    assert fast["probe_turns_per_hour"] > 2 * slower["probe_turns_per_hour"]
+    speeds = fast["probe_turns_per_hour"], slower["probe_turns_per_hour"]
+    assert speeds[0] > 2 * speeds[1], speeds
+    # The parts follow the measured speeds; the shares end together and cool down together.
+    split = both["share_split"]
+    assert abs(split[0] / sum(split) - speeds[0] / sum(speeds)) < 0.05, (split, speeds)
+    minutes = [r["training"]["training_minutes"] for r in (fast, slower)]
+    assert abs(minutes[0] - minutes[1]) <= 0.3 + 0.1, minutes  # one validation interval
+    began = [r["training"]["schedule"]["cooldown_began_minute"] for r in (fast, slower)]
+    assert all(b is not None for b in began) and abs(began[0] - began[1]) <= 0.3 + 0.1, began
     # Nobody waits: the fast share trains what one trainer alone trains in the same minute.
     passes = fast["training"]["turn_passes"], alone["turn_passes"]
     assert abs(passes[0] - passes[1]) <= 0.1 * passes[1], passes
