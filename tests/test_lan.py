@@ -10,6 +10,7 @@ Needs root and `ip netns` (this machine and CI both run as root); elsewhere it s
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -39,8 +40,17 @@ def can_make_namespaces() -> str | None:
     return None
 
 
+# Ray turns on token authentication for a cluster on a non-local address: every machine and the
+# driver carry the cluster's token, as a user's LAN does.
+AUTH = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+
+
+def node_env(node: str, tmp: Path) -> dict:
+    return {**os.environ, **AUTH, "RAY_TMPDIR": str(tmp / node)}
+
+
 def in_ns(node: str, *command: str, tmp: Path, **kw) -> subprocess.CompletedProcess:
-    env = {**os.environ, "RAY_TMPDIR": str(tmp / node)}
+    env = node_env(node, tmp)
     return subprocess.run(["ip", "netns", "exec", f"{PREFIX}-{node}", *command], env=env, **kw)
 
 
@@ -132,7 +142,7 @@ def test_a_shares_night_on_a_lan_of_three_machines_loses_one(lan, learnable):
             "--answer-budget", "24", "--seed", "5", "--threads", "1", "--skip-baseline",
             "--no-gradient-checkpointing", "--precision", "float32", "--share-grace", "5",
         ],
-        env={**os.environ, "RAY_TMPDIR": str(tmp / "head")},
+        env=node_env("head", tmp),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
