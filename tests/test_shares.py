@@ -91,7 +91,7 @@ def test_a_two_share_round_from_one_command_on_three_nodes_through_a_hub(learnab
     assert merge["method"] == "outer" and record["adapter"] == merge["folder"]
     assert {s["share"] for s in merge["syncs"]} == {0, 1}
     assert all(s["turns"] > 0 and s["weight"] > 0 for s in merge["syncs"])
-    assert [m["share"] for m in merge["members"]] == [0, 1]
+    assert sorted(m["share"] for m in merge["members"]) == [0, 1]  # in the order they joined
     assert sum(record["share_split"]) == record["slice_turns"]
     # One baseline for the shares (measured beside them: the cluster had a free node), one
     # result exam of the merge, and each share's own adapter on the same paper.
