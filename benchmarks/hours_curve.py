@@ -33,14 +33,13 @@ import argparse
 import json
 import logging
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from gbray.data.synth import SynthSettings, write_corpus
-from gbray.student import StudentSettings, build_student
+sys.path.insert(0, str(Path(__file__).parent))
+from night_runs import add_corpus_options, prepare, round_command, run_round, spread  # noqa: E402
 
 # What each variant means here: the flags a night adds to the student's own recipe.
 SCHEDULES = {
@@ -51,31 +50,11 @@ SCHEDULES = {
 DEFAULT = ["wsd", "cosine"]
 
 
-def prepare(work: Path, turns: int, page_tokens: int) -> tuple[Path, Path]:
-    data, student = work / "data", work / "student"
-    if not (student / "config.json").is_file():
-        write_corpus(
-            SynthSettings(out=data, turns=turns, eval_turns=600, seed=5, prompt_tokens=page_tokens)
-        )  # fmt: skip
-        build_student(StudentSettings(data=data, out=student, pretrain_steps=450, seed=0))
-    return data, student
-
-
 def night(data: Path, student: Path, out: Path, minutes: float, seed: int, schedule: str,
           paper: int) -> dict:  # fmt: skip
-    if not (out / "round.json").is_file():
-        run = subprocess.run(
-            [
-                sys.executable, "-m", "gbray.cli", "round", "--data", str(data),
-                "--model", str(student), "--out", str(out), "--hours", str(minutes / 60),
-                "--seed", str(seed), "--threads", "1", "--exam-turns", str(paper),
-                *SCHEDULES[schedule],
-            ],
-            capture_output=True, text=True,
-        )  # fmt: skip
-        if run.returncode != 0:
-            raise SystemExit(f"the night {out.name} failed:\n{run.stderr[-3000:]}")
-    record = json.loads((out / "round.json").read_text())
+    record = run_round(
+        round_command(data, student, out, minutes, seed, paper, *SCHEDULES[schedule]), out
+    )
     kept = next((c for c in record.get("checks", []) if c["step"] == record["best_step"]), {})
     return {
         "schedule": schedule,
@@ -104,12 +83,7 @@ def summary(nights: list[dict], lengths: list[float], turn_pct: float) -> dict:
         for m in lengths:
             results = [n["result_pct"] for n in mine if n["minutes"] == m]
             means.append(statistics.mean(results))
-            rows[f"{m:g} min"] = {
-                "mean_pct": round(means[-1], 2),
-                "min_pct": min(results),
-                "max_pct": max(results),
-                "stdev_pct": round(statistics.stdev(results), 2) if len(results) > 1 else None,
-            }
+            rows[f"{m:g} min"] = spread(results)
         worst = min(
             (
                 longer["result_pct"] - shorter["result_pct"]
@@ -145,15 +119,11 @@ def main() -> None:
     ap.add_argument("--doublings", type=int, default=2, help="nights of H, 2H, ... up to H*2^this")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--schedules", nargs="+", default=DEFAULT, choices=list(SCHEDULES))
-    ap.add_argument("--paper", type=int, default=150, help="exam turns")
-    ap.add_argument("--turns", type=int, default=20_000, help="training turns in the corpus")
-    ap.add_argument("--page-tokens", type=int, default=500, help="the corpus' prompt size")
     ap.add_argument("--parallel", type=int, default=2, help="nights run at once, one thread each")
-    ap.add_argument("--work", type=Path, default=Path("/tmp/gbray-bench-hours"),
-                    help="corpus, student and nights (a night already there is read, not rerun)")  # fmt: skip
+    add_corpus_options(ap, turns=20_000, work="/tmp/gbray-bench-hours")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    data, student = prepare(args.work, args.turns, args.page_tokens)
+    data, student = prepare(args.work, args.turns, args.page_tokens, eval_turns=600)
     lengths = [args.minutes * 2**k for k in range(args.doublings + 1)]
     jobs = [
         (m, seed, schedule)
@@ -191,8 +161,8 @@ def main() -> None:
     if {"wsd", "cosine"} <= set(args.schedules):
         report["wsd_minus_cosine_pct"] = {
             f"{m:g} min": round(
-                report["summary"]["wsd"]["by_length"][f"{m:g} min"]["mean_pct"]
-                - report["summary"]["cosine"]["by_length"][f"{m:g} min"]["mean_pct"],
+                report["summary"]["wsd"]["by_length"][f"{m:g} min"]["mean"]
+                - report["summary"]["cosine"]["by_length"][f"{m:g} min"]["mean"],
                 2,
             )
             for m in lengths

@@ -32,46 +32,21 @@ import argparse
 import json
 import logging
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from gbray.data.synth import SynthSettings, write_corpus
-from gbray.student import StudentSettings, build_student
+sys.path.insert(0, str(Path(__file__).parent))
+from night_runs import add_corpus_options, prepare, round_command, run_round, spread  # noqa: E402
 
 log = logging.getLogger("shares_scaling")
 
 
-def prepare(work: Path, turns: int, page_tokens: int) -> tuple[Path, Path]:
-    data, student = work / "data", work / "student"
-    if not (student / "config.json").is_file():
-        write_corpus(
-            SynthSettings(out=data, turns=turns, seed=5, prompt_tokens=page_tokens, wording="alt")
-        )
-        build_student(StudentSettings(data=data, out=student, pretrain_steps=450, seed=0))
-    return data, student
-
-
-def round_command(data: Path, student: Path, out: Path, minutes: float, seed: int, paper: int):
-    return [
-        sys.executable, "-m", "gbray.cli", "round", "--data", str(data), "--model", str(student),
-        "--out", str(out), "--hours", str(minutes / 60), "--seed", str(seed), "--threads", "1",
-        "--exam-turns", str(paper), "--skip-baseline",
-    ]  # fmt: skip
-
-
-def run_round(command: list[str], out: Path) -> dict:
-    if not (out / "round.json").is_file():
-        run = subprocess.run(command, capture_output=True, text=True)
-        if run.returncode != 0:
-            raise SystemExit(f"the night {out.name} failed:\n{run.stderr[-3000:]}")
-    return json.loads((out / "round.json").read_text())
-
-
 def one_trainer(data, student, out: Path, minutes: float, seed: int, paper: int) -> dict:
-    record = run_round(round_command(data, student, out, minutes, seed, paper), out)
+    record = run_round(
+        round_command(data, student, out, minutes, seed, paper, "--skip-baseline"), out
+    )
     return {
         "result_pct": record["result"]["agreement_pct"],
         "turn_passes": record["turn_passes"],
@@ -98,7 +73,7 @@ def shares_night(data, student, out: Path, minutes: float, seed: int, paper: int
             cluster.add_node(num_cpus=1, resources={f"worker{i}": 1})
         cluster.wait_for_nodes()
         try:
-            command = round_command(data, student, out, minutes, seed, paper)
+            command = round_command(data, student, out, minutes, seed, paper, "--skip-baseline")
             run_round(
                 [*command, "--address", cluster.address, "--shares", str(shares),
                  "--examine-shares", *join],
@@ -120,14 +95,6 @@ def shares_night(data, student, out: Path, minutes: float, seed: int, paper: int
     }
 
 
-def mean_row(values: list[float]) -> dict:
-    return {
-        "mean": round(statistics.mean(values), 2),
-        "stdev": round(statistics.stdev(values), 2) if len(values) > 1 else None,
-        "each": values,
-    }
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -140,14 +107,10 @@ def main() -> None:
                     help="how shares join: outer_lr:outer_momentum, or end (cat at the end)")  # fmt: skip
     ap.add_argument("--sync-minutes", type=float, default=0.15,
                     help="the fastest share's time between syncs")  # fmt: skip
-    ap.add_argument("--paper", type=int, default=150, help="exam turns")
-    ap.add_argument("--turns", type=int, default=8000, help="training turns in the corpus")
-    ap.add_argument("--page-tokens", type=int, default=500, help="the corpus' prompt size")
-    ap.add_argument("--work", type=Path, default=Path("/tmp/gbray-bench-scaling"),
-                    help="corpus, student and nights (a night already there is read, not rerun)")  # fmt: skip
+    add_corpus_options(ap, turns=8000, work="/tmp/gbray-bench-scaling")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    data, student = prepare(args.work, args.turns, args.page_tokens)
+    data, student = prepare(args.work, args.turns, args.page_tokens, wording="alt")
     H = args.minutes
     started = time.monotonic()
 
@@ -189,8 +152,8 @@ def main() -> None:
             over_one = statistics.mean(result) - statistics.mean(one_h)
             efficiency = over_one / gain if gain > 0 else None
             summary[f"{n} shares, {variant}"] = {
-                "result_pct": mean_row(result),
-                "best_share_pct": mean_row(best_share),
+                "result_pct": spread(result),
+                "best_share_pct": spread(best_share),
                 "minus_one_trainer_at_H_pct": round(over_one, 2),
                 "scaling_efficiency_E": None if efficiency is None else round(efficiency, 3),
                 "turn_passes_vs_one_trainer": round(passes, 3),
@@ -210,8 +173,8 @@ def main() -> None:
         "seeds": args.seeds,
         "sync_minutes": args.sync_minutes,
         "one_trainer": {
-            "H": mean_row(one_h),
-            "2H": mean_row(one_2h),
+            "H": spread(one_h),
+            "2H": spread(one_2h),
             "2H_minus_H_pct": round(gain, 2),
             "headroom (2H >= H + 10 points)": gain >= 10,
             "turn_passes_H": [ones[(H, s)]["turn_passes"] for s in args.seeds],
