@@ -270,6 +270,10 @@ class HubActor:
         return self.client.tell_baseline(key, exam)
 
     @ray.method(concurrency_group="slow")
+    def serving(self) -> dict | None:
+        return self.client.serving()
+
+    @ray.method(concurrency_group="slow")
     def get_adapter(self, name: str, into: str) -> str:
         return str(self.client.get_adapter(name, Path(into)))
 
@@ -309,6 +313,9 @@ class RayHub:
 
     def tell_baseline(self, key: dict, exam: dict) -> None:
         ray.get(self.actor.tell_baseline.remote(key, exam))
+
+    def serving(self) -> dict | None:
+        return ray.get(self.actor.serving.remote())
 
     def get_adapter(self, name: str, into: Path) -> Path:
         return Path(ray.get(self.actor.get_adapter.remote(name, str(into))))

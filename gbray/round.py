@@ -52,6 +52,23 @@ def start_name(adapter: str | None) -> str:
     return f"local:{hashlib.sha256(data).hexdigest()[:12]}"
 
 
+SERVING = "hub:serving"
+
+
+def serving_start(hub: Hub) -> tuple[str | None, dict | None]:
+    """`hub:serving` resolved when the round starts: the adapter that serves (`hub:NAME`) and what
+    the hub says of it (its round, since when, that round's scores), or the bare student while
+    nothing serves. A hub that cannot say stops the round: its start would be unknown."""
+    try:
+        serving = hub.serving()
+    except Exception as e:  # noqa: BLE001 - Ray wraps the client's error; the reason is in it
+        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise DataError(f"could not ask the hub what serves: {reason}") from e
+    if not serving:
+        return None, None
+    return f"hub:{serving['adapter']}", serving
+
+
 def new_round_id() -> str:
     return time.strftime("r-%Y%m%d-%H%M%S-") + os.urandom(2).hex()
 
@@ -82,6 +99,7 @@ class Round:
         # `merge:A,B,...` (the field's syntax): join those adapters, train nothing, examine once.
         spec = settings.adapter or ""
         self.merge_inputs = spec[len("merge:") :].split(",") if spec.startswith("merge:") else []
+        self.adapter = settings.adapter  # hub:serving becomes hub:NAME once the hub is asked
         self.start = "bare" if self.merge_inputs else start_name(settings.adapter)
 
     def run(self) -> dict:
@@ -125,6 +143,10 @@ class Round:
             self.recipe = dataclasses.replace(self.recipe, turns=self.recipe.turns * s.shares)
         (self.out / "recipe.json").write_text(json.dumps(as_record(self.recipe), indent=2))
         self.hub = self.new_hub()
+        if self.adapter == SERVING:
+            self.adapter, self.record["serving"] = serving_start(self.hub)
+            self.start = start_name(self.adapter)
+            log.info("hub:serving is %s", self.start)
 
     def new_hub(self) -> Hub:
         """A hub client for one round on the hub (the round's, or a share's)."""
@@ -180,6 +202,7 @@ class Round:
                 "student_name": self.student_id,
                 "carried_from": s.adapter,
                 "start": self.start,
+                "serving": self.record.get("serving"),
                 "draw_seed": recipe.seed,
                 "recipe": as_record(recipe),
                 "measure_only": s.measure_only,
@@ -220,8 +243,7 @@ class Round:
             self.start = starts.pop() if len(starts) == 1 and None not in starts else "bare"
             self.record["start"] = self.start
             return None if self.start == "bare" else self.fetch(self.start, self.out / "start")
-        adapter = self.settings.adapter
-        return self.fetch(adapter, self.out / "start") if adapter else None
+        return self.fetch(self.adapter, self.out / "start") if self.adapter else None
 
     def kept_so_far(self) -> dict | None:
         """The adapter a stopped night had kept (OUT/best, written at its best validation):
@@ -563,6 +585,7 @@ def run_trial(settings: RoundSettings) -> dict:
             "status": status,
             "why": why,
             "candidate": rnd.start,
+            "serving": rnd.record.get("serving"),
             "student": rnd.student_id,
             "paper": work.paper_record,
             "result": rec.exam_record(result),

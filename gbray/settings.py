@@ -274,7 +274,11 @@ class RoundSettings:
         "data folder with train.jsonl and eval.jsonl (with --hub: the fallback "
         "when the hub cannot be reached)",
     )
-    adapter: str | None = setting(None, "carry on from this adapter: a folder, or hub:NAME")
+    adapter: str | None = setting(
+        None,
+        "carry on from this adapter: a folder, hub:NAME, or hub:serving (what the hub serves "
+        "when the round starts; the bare student while nothing serves)",
+    )
     hub: str | None = setting(
         None, "hub URL: take the slice and paper from it and report to it (default: $GB_HUB)"
     )

@@ -337,7 +337,11 @@ def test_bad_uploads_are_refused_and_nothing_is_stored(hub, case):
 
 
 def test_promotion_only_for_a_round_that_beat_its_baseline(hub, tmp_path):
+    from gbray.round import serving_start
+
     client = fast_client(hub)
+    # `--adapter hub:serving` while nothing serves: the night starts from the bare student.
+    assert serving_start(client) == (None, None)
     loser = client.register("bare", 10, {})
     client.put_adapter(fake_adapter(tmp_path / "l", 1))
     client.end(
@@ -388,6 +392,10 @@ def test_promotion_only_for_a_round_that_beat_its_baseline(hub, tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     serving = api(hub, "GET", "/v1/training/serving").json()["serving"]
     assert serving["round"] == winner and serving["result"] == 60.0
+    # Once it serves, `hub:serving` is its adapter, named as a night fetches it.
+    start, said = serving_start(client)
+    assert start == f"hub:{winner}" and said["round"] == winner and said["result"] == 60.0
+    assert client.get_adapter(start[4:], tmp_path / "fetched").is_dir()
 
 
 def test_kept_notes_arrive_in_order_when_the_hub_comes_back(hub):
@@ -399,6 +407,12 @@ def test_kept_notes_arrive_in_order_when_the_hub_comes_back(hub):
         client.note(f"n{i}")
     client.check({"step": 1, "valLoss": 0.9})
     assert len(client.kept) == 6
+    # A night that asks what serves while the hub is down does not start from a guess.
+    from gbray.data.turns import DataError
+    from gbray.round import serving_start
+
+    with pytest.raises(DataError, match="could not ask the hub what serves"):
+        serving_start(client)
     hub.start()
     client.note("n6")
     assert not client.kept

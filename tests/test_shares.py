@@ -78,9 +78,27 @@ def test_a_two_share_round_from_one_command_on_three_nodes_through_a_hub(learnab
         assert run.returncode == 0, run.stderr[-3000:]
         record = json.loads((out / "round.json").read_text())
         through_the_hub(hub, record)
+        # The promoted merge is what serves: a trial of hub:serving (a fresh exam in a process
+        # of its own, nothing cached) fetches it and scores what its round recorded.
+        trial = subprocess.run(
+            [
+                sys.executable, "-m", "gbray.cli", "trial", "--adapter", "hub:serving",
+                "--address", c.address, "--hub", hub.url, "--token", hub.device,
+                "--model", str(student), "--out", str(tmp_path / "trial"), "--exam-turns", "100",
+                "--answer-budget", "24", "--max-len", "512", "--threads", "1",
+                "--precision", "float32",
+            ],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert trial.returncode == 0, trial.stderr[-3000:]
+        tried = json.loads((tmp_path / "trial" / "trial.json").read_text())
     finally:
         c.shutdown()
         hub.stop()
+    assert tried["candidate"] == f"hub:{record['hub_round']}"
+    assert tried["serving"]["round"] == record["hub_round"]
+    assert tried["result"]["turns"] == record["result"]["turns"] == 100
+    assert abs(tried["result"]["right"] - record["result"]["right"]) <= 1, (tried, record["result"])
     reports = record["share_reports"]
     assert len(reports) == 2 and not record["lost_shares"]
     assert reports[0]["node"] != reports[1]["node"], "both shares ran on one node"

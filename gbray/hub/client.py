@@ -302,6 +302,11 @@ class HubClient:
             ok = self._must(f"adapter in {len(pieces)} pieces", send_pieces)
         return self.round_id + ("-last" if part else "") if ok else None
 
+    def serving(self) -> dict | None:
+        """What serves now (its round, adapter, since, and that round's scores), or None if
+        nothing does; raises when the hub cannot say (a round cannot start from it unknown)."""
+        return self._call(self.piece, "GET", "/v1/training/serving").json()["serving"]
+
     def get_adapter(self, name: str, into: Path) -> Path:
         """Fetch `<id>` or `<id>-last` and extract it; raises (the round cannot start without it)."""
         r = self._call(self.piece, "GET", f"/v1/training/adapters/{name}")
@@ -326,6 +331,7 @@ class Hub(Protocol):
     def paper(self, turns: int) -> tuple[list[bytes], str, str] | None: ...
     def ask_baseline(self, key: dict) -> dict | None: ...
     def tell_baseline(self, key: dict, exam: dict) -> None: ...
+    def serving(self) -> dict | None: ...
     def get_adapter(self, name: str, into: Path) -> Path: ...
     def put_adapter(self, folder: Path, part: str | None = None) -> str | None: ...
     def end(self, body: dict) -> bool: ...
@@ -356,6 +362,9 @@ class NoHub:
 
     def tell_baseline(self, key: dict, exam: dict) -> None:
         return None
+
+    def serving(self) -> dict | None:
+        raise ValueError("hub:serving needs --hub")
 
     def get_adapter(self, name: str, into: Path) -> Path:
         raise ValueError(f"hub:{name} needs --hub")
