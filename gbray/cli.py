@@ -185,6 +185,7 @@ def _round_settings(args) -> RoundSettings:
         recipe=recipe,
         hub=getattr(args, "hub", None) or env("GB_HUB") or None,
         token=getattr(args, "token", None) or env("GB_TOKEN") or env("GBRAY_TOKEN") or None,
+        ca=getattr(args, "ca", None) or env("GB_CA") or None,
         device_name=getattr(args, "device_name", None)
         or env("GB_DEVICE")
         or env("COMPUTERNAME")
@@ -360,9 +361,17 @@ def cmd_merge(args) -> int:
 def cmd_hub_serve(args) -> int:
     from gbray.hub.server import HubSettings, serve
 
-    gate = from_args(GateRules, args)
+    # Unattended promotion holds a round to more by default: significance and no fallen tool
+    # (flags given win).
+    strict = {"promote_p": 0.05, "refuse_fallen": True} if args.auto_promote else {}
+    gate = from_args(GateRules, args, hints=strict)
     try:
         gate.validate()
+        if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
+            raise ValueError("TLS needs both --ssl-certfile and --ssl-keyfile")
+        for path in filter(None, (args.ssl_certfile, args.ssl_keyfile)):
+            if not path.is_file():
+                raise ValueError(f"{path} does not exist")
     except ValueError as e:
         print(f"gbray hub serve: {e}", file=sys.stderr)
         return 2
@@ -375,6 +384,9 @@ def cmd_hub_serve(args) -> int:
             claim_timeout=args.claim_timeout,
             size_limit=args.size_limit_mb * 1024 * 1024,
             gate=gate,
+            ssl_certfile=args.ssl_certfile,
+            ssl_keyfile=args.ssl_keyfile,
+            auto_promote=args.auto_promote,
         )
     )
     return 0
@@ -400,6 +412,42 @@ def cmd_hub_token(args) -> int:
 
     token = Store(args.db).add_token(args.name, owner=args.owner)
     print(token)
+    return 0
+
+
+def cmd_hub_token_list(args) -> int:
+    from gbray.hub.store import Store
+
+    for token in Store(args.db).tokens():
+        created = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(token["created"]))
+        print(json.dumps({**token, "created": created}))
+    return 0
+
+
+def cmd_hub_token_revoke(args) -> int:
+    from gbray.hub.store import TOKEN_SECONDS, Store
+
+    if not Store(args.db).revoke_token(args.name):
+        print(f"error: no token named {args.name!r} (gbray hub token list)", file=sys.stderr)
+        return 1
+    # A serving hub reuses a token's answer for a few seconds: once this returns, the token's
+    # next call is refused (401).
+    time.sleep(TOKEN_SECONDS)
+    print(json.dumps({"revoked": args.name}))
+    return 0
+
+
+def cmd_hub_backup(args) -> int:
+    from gbray.hub.backup import backup
+
+    print(json.dumps(backup(args.db, args.store, args.to)))
+    return 0
+
+
+def cmd_hub_restore(args) -> int:
+    from gbray.hub.backup import restore
+
+    print(json.dumps(restore(args.source, args.db, args.store)))
     return 0
 
 
@@ -445,6 +493,20 @@ def add_hub_parser(verbs) -> None:
         default=512,
         help="largest adapter accepted (default %(default)s)",
     )
+    p.add_argument(
+        "--ssl-certfile",
+        type=Path,
+        help="serve HTTPS with this certificate (PEM; with --ssl-keyfile): devices then reach "
+        "the hub at https://, with --ca where its authority is the hub's own",
+    )
+    p.add_argument("--ssl-keyfile", type=Path, help="the certificate's private key (PEM)")
+    p.add_argument(
+        "--auto-promote",
+        action="store_true",
+        help="promote a round that passes the gate as it ends (a round that ended done, trained "
+        "and examined); with it --promote-p defaults to 0.05 and --refuse-fallen to on. Every "
+        "decision, and its rule when refused, is noted on the round and kept in the history",
+    )
     add_fields(p, GateRules, "promotion")
     p.set_defaults(func=cmd_hub_serve)
     p = hub.add_parser(
@@ -456,14 +518,45 @@ def add_hub_parser(verbs) -> None:
         "--eval", type=Path, required=True, help="eval.jsonl (its jobs are kept out of training)"
     )
     p.set_defaults(func=cmd_hub_load)
-    p = hub.add_parser("token", help="tokens").add_subparsers(
-        dest="token_verb", required=True, metavar="add"
+    tokens = hub.add_parser("token", help="tokens: add, list, revoke").add_subparsers(
+        dest="token_verb", required=True, metavar="add|list|revoke"
     )
-    p = p.add_parser("add", help="print a new token (stored hashed)")
+    p = tokens.add_parser(
+        "add", help="print a new token (stored hashed; a name already there gets a new one)"
+    )
     p.add_argument("name")
     p.add_argument("--owner", action="store_true", help="may also stop and promote")
     p.add_argument("--db", type=Path, required=True)
     p.set_defaults(func=cmd_hub_token)
+    p = tokens.add_parser("list", help="every token's name, owner or not, and when it was made")
+    p.add_argument("--db", type=Path, required=True)
+    p.set_defaults(func=cmd_hub_token_list)
+    p = tokens.add_parser(
+        "revoke",
+        help="revoke a token (a lost device's): its next call gets 401, also on a hub that is "
+        "serving; the rounds it registered stay",
+    )
+    p.add_argument("name")
+    p.add_argument("--db", type=Path, required=True)
+    p.set_defaults(func=cmd_hub_token_revoke)
+    p = hub.add_parser(
+        "backup",
+        help="copy a hub into a new folder while it serves: its database (SQLite's online "
+        "backup) and its complete adapters, with their digests in backup.json",
+    )
+    p.add_argument("--db", type=Path, required=True, help="the hub's SQLite file")
+    p.add_argument("--store", type=Path, required=True, help="the hub's adapter folder")
+    p.add_argument("--to", type=Path, required=True, help="a new (or empty) folder")
+    p.set_defaults(func=cmd_hub_backup)
+    p = hub.add_parser(
+        "restore",
+        help="restore a backup into a new database and adapter folder (never over a hub); "
+        "every adapter is checked against its digest first",
+    )
+    p.add_argument("--from", dest="source", type=Path, required=True, help="the backup's folder")
+    p.add_argument("--db", type=Path, required=True, help="the new SQLite file")
+    p.add_argument("--store", type=Path, required=True, help="the new adapter folder")
+    p.set_defaults(func=cmd_hub_restore)
     p = hub.add_parser("marks", help="the corpus' taken marks").add_subparsers(
         dest="marks_verb", required=True, metavar="clear"
     )

@@ -155,7 +155,8 @@ class Round:
             return NoHub()
         from gbray.actors import RayHub
 
-        return RayHub({"url": s.hub, "token": s.token, "device": self.device_name()})
+        ca = str(s.ca) if s.ca else None
+        return RayHub({"url": s.hub, "token": s.token, "device": self.device_name(), "ca": ca})
 
     def device_name(self) -> str:
         import socket

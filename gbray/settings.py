@@ -283,6 +283,12 @@ class RoundSettings:
         None, "hub URL: take the slice and paper from it and report to it (default: $GB_HUB)"
     )
     token: str | None = setting(None, "hub bearer token (default: $GB_TOKEN, then $GBRAY_TOKEN)")
+    ca: Path | None = setting(
+        None,
+        "certificate authority (PEM) for an https:// hub whose certificate it signed (default: "
+        "$GB_CA; else the system's). A hub that cannot be verified is never sent the token: the "
+        "night runs without it",
+    )
     device_name: str | None = setting(
         None, "this machine's name on the hub (default: $GB_DEVICE, $COMPUTERNAME, the host name)"
     )
@@ -354,6 +360,8 @@ class RoundSettings:
             problems.append("--hub needs --token (or $GB_TOKEN)")
         if self.adapter and self.adapter.startswith("hub:") and not self.hub:
             problems.append(f"--adapter {self.adapter} needs --hub")
+        if self.ca is not None and not Path(self.ca).is_file():
+            problems.append(f"--ca {self.ca} does not exist")
         if not self.fetch and self.data is None:
             problems.append("--no-fetch needs --data")
         if self.measure_only and self.skip_baseline:

@@ -19,6 +19,7 @@ class HubProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.extra = extra
         self.proc = None
+        self.verify = True  # a TLS hub's test sets its https:// url and its CA here
         from gbray.hub.store import Store
 
         store = Store(self.db)
@@ -50,7 +51,7 @@ class HubProcess:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
-                if requests.get(self.url + "/docs", timeout=1).ok:
+                if requests.get(self.url + "/docs", timeout=1, verify=self.verify).ok:
                     return self
             except requests.RequestException:
                 time.sleep(0.2)

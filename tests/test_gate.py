@@ -131,3 +131,63 @@ def test_the_rules_alone():
     assert "no per-turn marks" in refusal(field_device, None, strict)
     with pytest.raises(ValueError):
         GateRules(promote_p=0).validate()
+
+
+def test_an_unattended_hub_promotes_what_passes_its_gate_and_notes_every_refusal(
+    tmp_path_factory,
+):
+    from test_field import field_adapter
+
+    hub = HubProcess(tmp_path_factory.mktemp("auto"), "--auto-promote").start()
+    try:
+        start = marks(45)
+
+        def serving():
+            return call(hub, "GET", "/v1/training/serving", hub.device).json()["serving"]
+
+        def notes(rid):
+            stored = call(hub, "GET", f"/v1/training/rounds/{rid}", hub.owner).json()
+            return [n["line"] for n in stored["notes"]]
+
+        # The field's order (end, then the adapter): promoted once the adapter lands.
+        clear = night(hub, start, marks(90, keep=start), "p-A")
+        assert serving()["round"] == clear
+        assert notes(clear) == ["hub: promoted automatically; it passed the gate and serves now"]
+        # Won by one turn: --auto-promote requires significance by default, whatever the device
+        # says of its own p-value or asks for.
+        fake = {"pValue": 0.0001, "promote": True, "beat": True}
+        served = marks(90, keep=start)
+        by_one = night(hub, served, marks(91, keep=served), "p-A",
+                       recipe={"start": f"hub:{clear}", **fake})  # fmt: skip
+        assert serving()["round"] == clear
+        assert notes(by_one)[-1].startswith("hub: not promoted: significance:"), notes(by_one)
+        # A tool that fell, in a round that otherwise wins: refused by default too.
+        fell = night(
+            hub, marks(10, seed=7), marks(140, seed=8), "p-A",
+            per_tool={"open": {"asked": 20, "before": "18/20", "after": "2/20"}},
+        )  # fmt: skip
+        assert notes(fell)[-1].startswith("hub: not promoted: no fallen tool:"), notes(fell)
+        assert serving()["round"] == clear
+        # gbray's order (the adapter, then the end), clearly above what serves: promoted.
+        rid = call(
+            hub, "POST", "/v1/training/rounds", hub.device,
+            json={"device": "laptop", "base": "m", "turns": 10, "recipe": {"start": "bare"}},
+        ).json()["id"]  # fmt: skip
+        assert call(hub, "PUT", f"/v1/training/rounds/{rid}/adapter", hub.device,
+                    data=field_adapter()).ok  # fmt: skip
+        assert serving()["round"] == clear  # not ended yet: not a candidate
+        better = marks(140, keep=served)
+        end = {"status": "done", "baseline": exam(start), "result": exam(better), "paper": "p-A"}
+        assert call(hub, "POST", f"/v1/training/rounds/{rid}/end", hub.device, json=end).ok
+        assert serving()["round"] == rid
+        # The same end again is a retry: no second decision.
+        assert call(hub, "POST", f"/v1/training/rounds/{rid}/end", hub.device, json=end).ok
+        # A trial is not a candidate; every decision is in the history, oldest first.
+        state = call(hub, "GET", "/v1/training/state", hub.owner).json()
+        assert [(d["round"], d["promoted"], d["by"]) for d in state["decisions"]] == [
+            (clear, True, "auto"), (by_one, False, "auto"), (fell, False, "auto"),
+            (rid, True, "auto"),
+        ]  # fmt: skip
+        assert state["decisions"][1]["why"].startswith("significance:")
+    finally:
+        hub.stop()

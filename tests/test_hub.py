@@ -454,3 +454,98 @@ def test_fetched_adapter_extraction_refuses_escapes_and_links(tmp_path, members)
     with pytest.raises(Refused):
         unpack_adapter(tgz, tmp_path / "into")
     assert not (tmp_path / "into").exists() or not any((tmp_path / "into").rglob("*"))
+
+
+def test_a_revoked_token_is_refused_on_its_next_call_by_a_serving_hub(hub):
+    from gbray.hub.store import Store
+
+    lost = Store(hub.db).add_token("lost-phone", owner=False)
+    as_lost = {"Authorization": f"Bearer {lost}"}
+    rid = requests.post(
+        hub.url + "/v1/training/rounds", headers=as_lost, timeout=30,
+        json={"device": "phone", "base": "bare", "turns": 10, "recipe": {}},
+    ).json()["id"]  # fmt: skip
+
+    def gbray_token(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "gbray.cli", "hub", "token", *args, "--db", str(hub.db)],
+            capture_output=True, text=True,
+        )  # fmt: skip
+
+    listed = [json.loads(line) for line in gbray_token("list").stdout.splitlines()]
+    assert {"name": "lost-phone", "owner": False} in [
+        {k: t[k] for k in ("name", "owner")} for t in listed
+    ]
+    assert lost not in json.dumps(listed) and hub.owner not in json.dumps(listed)
+    # The hub answered this token a moment ago (and reuses that answer for a few seconds).
+    assert requests.get(hub.url + "/v1/whoami", headers=as_lost, timeout=30).status_code == 200
+    revoked = gbray_token("revoke", "lost-phone")
+    assert revoked.returncode == 0 and json.loads(revoked.stdout) == {"revoked": "lost-phone"}
+    refused = requests.post(
+        hub.url + f"/v1/training/rounds/{rid}/note", headers=as_lost, timeout=30,
+        json={"line": "still here"},
+    )  # fmt: skip
+    assert refused.status_code == 401
+    assert "lost-phone" not in gbray_token("list").stdout
+    # Its round stays, for the owner; the other devices are not touched.
+    assert api(hub, "GET", f"/v1/training/rounds/{rid}", who="owner").status_code == 200
+    assert api(hub, "GET", "/v1/whoami").status_code == 200
+    unknown = gbray_token("revoke", "no-such-device")
+    assert unknown.returncode == 1 and "no token named 'no-such-device'" in unknown.stderr
+
+
+def test_a_backup_taken_while_a_round_uploads_restores_every_ended_round(hub, tmp_path):
+    import sqlite3
+
+    ended = fast_client(hub)
+    ended.register("bare", 10, {})
+    for i in range(3):
+        ended.note(f"line {i}")
+        ended.check({"step": i + 1, "valLoss": 1.0 / (i + 1), "valAgreement": 10.0 * i})
+    ended.put_adapter(fake_adapter(tmp_path / "ended", 2))
+    ended.end({"status": "done", "baseline": None, "result": None, "adapter": ended.round_id})
+    uploading = fast_client(hub)
+    uploading.register("bare", 10, {})
+    upload = threading.Thread(
+        target=uploading.put_adapter, args=(fake_adapter(tmp_path / "big", 30),)
+    )
+    upload.start()
+    try:
+        taken = subprocess.run(
+            [sys.executable, "-m", "gbray.cli", "hub", "backup", "--db", str(hub.db),
+             "--store", str(hub.store), "--to", str(tmp_path / "backup")],
+            capture_output=True, text=True,
+        )  # fmt: skip
+    finally:
+        upload.join()
+    assert taken.returncode == 0, taken.stderr
+    began = json.loads(taken.stdout)["began"]
+    root = tmp_path / "restored"
+    restored = subprocess.run(
+        [sys.executable, "-m", "gbray.cli", "hub", "restore", "--from", str(tmp_path / "backup"),
+         "--db", str(root / "hub.db"), "--store", str(root / "store")],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert restored.returncode == 0, restored.stderr
+    again = subprocess.run(
+        [sys.executable, "-m", "gbray.cli", "hub", "restore", "--from", str(tmp_path / "backup"),
+         "--db", str(root / "hub.db"), "--store", str(root / "store")],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert again.returncode != 0 and "exists" in again.stderr  # never over a hub
+    with sqlite3.connect(hub.db) as db:
+        before = [r[0] for r in db.execute("SELECT id FROM rounds WHERE ended < ?", (began,))]
+    assert ended.round_id in before
+    copy = HubProcess(root).start()
+    try:
+        for rid in before:
+            path = f"/v1/training/rounds/{rid}"
+            mine = api(hub, "GET", path, who="owner").json()
+            theirs = api(copy, "GET", path, who="owner").json()
+            for field in ("status", "notes", "checks", "result", "baseline", "end_body"):
+                assert mine[field] == theirs[field], (rid, field)
+            original = api(hub, "GET", f"/v1/training/adapters/{rid}")
+            if original.status_code == 200:
+                assert api(copy, "GET", f"/v1/training/adapters/{rid}").content == original.content
+    finally:
+        copy.stop()

@@ -285,6 +285,20 @@ def test_a_safetensors_file_that_does_not_parse_is_refused(hub):
     assert r.status_code == 400 and "safetensors" in r.json()["detail"]
 
 
+def test_a_valid_adapter_with_a_header_over_a_mebibyte_lands_and_a_lying_header_is_named(hub):
+    # A header of 1.5 MiB (its metadata) that describes its file exactly is a valid adapter.
+    big = save({"w": torch.rand(64)}, metadata={"note": "x" * (3 * MB // 2)})
+    rid = register(hub)
+    members = {"adapter_config.json": b'{"peft_type": "LORA"}', "adapter_model.safetensors": big}
+    r = call(hub, "PUT", f"/v1/training/rounds/{rid}/adapter", data=tgz(members))
+    assert r.status_code == 200, r.text
+    # A header that claims more bytes than its file holds is refused for exactly that.
+    lying = (10 * MB).to_bytes(8, "little") + b"{}" + b" " * 62
+    members["adapter_model.safetensors"] = lying
+    r = call(hub, "PUT", f"/v1/training/rounds/{register(hub)}/adapter", data=tgz(members))
+    assert r.status_code == 400 and "does not fit the file" in r.json()["detail"], r.text
+
+
 def gzip_bomb(expanded: int) -> bytes:
     """A tgz whose one member is `expanded` zero bytes: small on the wire, huge unpacked."""
     head = tarfile.TarInfo("adapter_model.safetensors")

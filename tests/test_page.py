@@ -25,7 +25,11 @@ def markup(i: int) -> str:
 
 
 def test_device_markup_is_shown_as_text_and_never_run(tmp_path):
-    hub = HubProcess(tmp_path).start()
+    from test_field import field_adapter
+
+    # Unattended: the round is put to the gate when its adapter lands, so the page's history
+    # shows the refusal, with the device's paper, as text.
+    hub = HubProcess(tmp_path, "--auto-promote").start()
     try:
         auth = {"Authorization": f"Bearer {hub.device}"}
 
@@ -64,6 +68,11 @@ def test_device_markup_is_shown_as_text_and_never_run(tmp_path):
                 },
             },
         )
+        landed = requests.put(
+            hub.url + f"/v1/training/rounds/{rid}/adapter", data=field_adapter(), headers=auth,
+            timeout=30,
+        )  # fmt: skip
+        assert landed.status_code == 200, landed.text
         dom = subprocess.run(
             [
                 CHROMIUM,
@@ -97,3 +106,7 @@ def test_device_markup_is_shown_as_text_and_never_run(tmp_path):
     assert "&lt;img src=x onerror=" in dom
     # The curve drew the agreement (its right axis) and shaded the cool-down.
     assert "100%" in dom and "#fdf1dc" in dom
+    # What serves over time: the refusal is a cross on the plot and a row naming its rule.
+    history = dom.split('id="served"', 1)[1].split('id="served-tools"', 1)[0]
+    assert "<path" in history and "refused" in history and "significance:" in history
+    assert "#9" in history  # the device's paper, as text

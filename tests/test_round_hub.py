@@ -485,3 +485,63 @@ def test_a_trial_of_a_candidate_that_cannot_load_ends_failed_on_the_hub(
     assert on_hub["status"] == "failed" and on_hub["result"] is None
     assert on_hub["why"].startswith("trial of local:") and "failed" in on_hub["why"]
     assert len(on_hub["why"]) > len("trial of local:x failed: ")  # the reason is in it
+
+
+def test_a_tls_hub_serves_a_round_to_a_device_given_its_ca_and_no_token_to_one_without(
+    ray_local, corpus, raw_student, tmp_path, caplog
+):
+    import trustme
+
+    from gbray.round import run_round
+
+    authority = trustme.CA()
+    served = authority.issue_cert("127.0.0.1")
+    served.cert_chain_pems[0].write_to_path(tmp_path / "hub.pem")
+    served.private_key_pem.write_to_path(tmp_path / "hub.key")
+    authority.cert_pem.write_to_path(tmp_path / "ca.pem")
+    hub = HubProcess(
+        tmp_path / "hub", "--ssl-certfile", str(tmp_path / "hub.pem"),
+        "--ssl-keyfile", str(tmp_path / "hub.key"),
+    )  # fmt: skip
+    from gbray.hub.store import Store
+
+    Store(hub.db).load(corpus / "train.jsonl", corpus / "eval.jsonl")
+    hub.url, hub.verify = hub.url.replace("http://", "https://"), str(tmp_path / "ca.pem")
+    hub.start()
+    try:
+        trusted = run_round(
+            settings(hub.url, hub.device, corpus, raw_student, tmp_path / "r",
+                     ca=tmp_path / "ca.pem")
+        )  # fmt: skip
+        # Without the CA the hub cannot be verified: the device says so, sends no token, and
+        # its night (here a measuring one) ends on its own --data.
+        alone = run_round(
+            settings(hub.url, hub.device, corpus, raw_student, tmp_path / "m", measure_only=True)
+        )
+        rounds = requests.get(
+            hub.url + "/v1/training/state", headers=hub.headers("owner"), timeout=30,
+            verify=hub.verify,
+        ).json()["rounds"]  # fmt: skip
+        # The client itself: one line says why, and nothing is retried (no 15-minute wait).
+        from gbray.hub.client import ClientSettings, HubClient
+
+        client = HubClient(ClientSettings(url=hub.url, token=hub.device))
+        began = time.monotonic()
+        with caplog.at_level("WARNING", logger="gbray.hub.client"):
+            assert client.register("bare", 10, {}) is None
+            assert client.slice(10) is None and client.paper(10) is None
+            client.round_id = "r-any"
+            assert client.end({"status": "done"}) is False
+        assert time.monotonic() - began < 10
+        said = [r.getMessage() for r in caplog.records if r.name == "gbray.hub.client"]
+        assert len(said) == 1 and "cannot verify the hub" in said[0] and hub.device not in said[0]
+    finally:
+        hub.stop()
+    assert trusted["status"] == "done" and trusted["hub_round"]
+    assert [r["id"] for r in rounds] == [trusted["hub_round"]]
+    assert rounds[0]["status"] == "done"
+    assert alone["status"] == "done" and alone["hub_round"] is None
+    assert alone["baseline"]["turns"] == 20
+    # One registration reached the hub: the trusted device's.
+    log = (tmp_path / "hub" / "hub.log").read_text()
+    assert log.count('"POST /v1/training/rounds HTTP/1.1"') == 1, log[-3000:]

@@ -30,6 +30,9 @@ PIECE = 16 * 1024 * 1024
 WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 READ = 1024 * 1024
+# The largest safetensors header the hub reads (the safetensors package allows 100 MB; a LoRA of
+# a few thousand tensors needs well under 1 MB).
+HEADER_LIMIT = 16 * 1024 * 1024
 # safetensors dtypes and their sizes in bytes; the hub never imports torch or numpy, so the
 # header is read here rather than with the safetensors package.
 DTYPES = {
@@ -75,15 +78,19 @@ class _SafetensorsHeader:
         self.size, self.head = size, b""
 
     def feed(self, chunk: bytes) -> None:
-        if len(self.head) < 8 + READ:
-            self.head += chunk[: 8 + READ - len(self.head)]
+        if len(self.head) < 8 + HEADER_LIMIT:
+            self.head += chunk[: 8 + HEADER_LIMIT - len(self.head)]
 
     def check(self) -> None:
         if self.size < 8 or len(self.head) < 8:
             raise Refused(400, "safetensors file too short for its header")
         (length,) = struct.unpack("<Q", self.head[:8])
-        if length > min(self.size - 8, READ):
+        if length > self.size - 8:
             raise Refused(400, f"safetensors header of {length} bytes does not fit the file")
+        if length > HEADER_LIMIT:
+            raise Refused(
+                413, f"safetensors header of {length} bytes is over the hub's {HEADER_LIMIT} bytes"
+            )
         try:
             header = json.loads(self.head[8 : 8 + length])
         except (UnicodeDecodeError, ValueError) as e:

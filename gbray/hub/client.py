@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import io
 import logging
+import re
 import tarfile
 import threading
 import time
@@ -40,6 +41,12 @@ class ClientSettings:
     piece_max_pause: float = 30.0
     piece_size: int = PIECE
     stop_poll_every: float = 2.0
+    ca: str | None = None  # a certificate authority (PEM) for an https:// hub; None: the system's
+
+
+class Unverified(requests.RequestException):
+    """The hub's certificate could not be verified: the client sends it nothing more (the token
+    was never sent: TLS fails before a request is written)."""
 
 
 def _retry(tries: int, first_pause: float, max_pause: float) -> Retry:
@@ -82,6 +89,12 @@ def unpack_adapter(tgz: Path, into: Path) -> Path:
     return into
 
 
+def _ssl_reason(error: Exception) -> str:
+    """The certificate's fault in a few words (requests nests it several exceptions deep)."""
+    found = re.search(r"certificate verify failed: ([^(\"']+)", str(error))
+    return found.group(1).strip() if found else str(error)[:200]
+
+
 def _refused_for_good(error: requests.HTTPError) -> bool:
     """A 4xx other than a time-out or too-many-requests: sending it again cannot help."""
     status = error.response.status_code if error.response is not None else 0
@@ -97,6 +110,7 @@ class HubClient:
         self.lock = threading.Lock()
         self.stop = False
         self._last_poll = 0.0
+        self.unverified: str | None = None  # why the hub could not be verified
         self.once = self._session(1, 0, 0)
         self.piece = self._session(
             settings.piece_tries, settings.piece_first_pause, settings.piece_max_pause
@@ -110,13 +124,27 @@ class HubClient:
         return session
 
     def _call(self, session, method: str, path: str, **kw) -> requests.Response:
-        response = session.request(method, self.base + path, timeout=self.settings.timeout, **kw)
+        if self.unverified:
+            raise Unverified(self.unverified)
+        if self.settings.ca:
+            # Per request: requests lets $REQUESTS_CA_BUNDLE override a session's `verify`.
+            kw["verify"] = self.settings.ca
+        try:
+            response = session.request(
+                method, self.base + path, timeout=self.settings.timeout, **kw
+            )
+        except requests.exceptions.SSLError as e:
+            self.unverified = f"cannot verify the hub at {self.base}: {_ssl_reason(e)}"
+            log.error("hub: %s; no token sent, the night runs without the hub", self.unverified)
+            raise Unverified(self.unverified) from e
         response.raise_for_status()
         return response
 
     def _best_effort(self, what: str, session, method: str, path: str, **kw):
         try:
             return self._call(session, method, path, **kw)
+        except Unverified:
+            return None  # said once, when it was found
         except requests.RequestException as e:
             log.warning("hub: %s failed: %s", what, e)
             return None
@@ -247,6 +275,8 @@ class HubClient:
                 send()
                 return True
             except (requests.RequestException, Refused) as e:
+                if isinstance(e, Unverified):
+                    return False
                 if isinstance(e, requests.HTTPError) and _refused_for_good(e):
                     log.error(
                         "hub: %s refused: %s %s",

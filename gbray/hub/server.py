@@ -35,7 +35,7 @@ from starlette.concurrency import run_in_threadpool
 
 from gbray.hub.adapters import AdapterStore, Refused, safe_name
 from gbray.hub.gate import GateRules
-from gbray.hub.store import Caller, Conflict, Forbidden, NotFound, Store
+from gbray.hub.store import TOKEN_SECONDS, Caller, Conflict, Forbidden, NotFound, Store
 
 log = logging.getLogger(__name__)
 PAGE = Path(__file__).parent / "page" / "index.html"
@@ -62,6 +62,9 @@ class HubSettings:
     claim_timeout: float = 600.0  # seconds a baseline claim survives its device's silence
     size_limit: int = 512 * 1024 * 1024
     gate: GateRules = field(default_factory=GateRules)
+    auto_promote: bool = False  # put every round that ends done to the gate as it ends
+    ssl_certfile: Path | None = None  # TLS: uvicorn's own, given both
+    ssl_keyfile: Path | None = None
 
 
 # -- what a device may send ----------------------------------------------------------------------
@@ -209,8 +212,6 @@ class Gate:
     Content-Length is over its path's limit 413, before the body is read. The caller found here
     is handed to the endpoints in the request's state."""
 
-    TOKEN_SECONDS = 5.0  # how long a token's answer is reused (tokens are added, never changed)
-
     def __init__(self, app, store: Store, size_limit: int, piece: int):
         self.app, self.store = app, store
         self.size_limit, self.piece = size_limit, piece
@@ -221,7 +222,7 @@ class Gate:
         request, which under load was a note's wait."""
         now = time.monotonic()
         cached = self.known.get(token)
-        if cached is None or now - cached[0] > self.TOKEN_SECONDS:
+        if cached is None or now - cached[0] > TOKEN_SECONDS:
             if len(self.known) > 10_000:  # wrong tokens must not grow it without bound
                 self.known.clear()
             cached = (now, await run_in_threadpool(self.store.who, token))
@@ -353,7 +354,8 @@ def create_app(settings: HubSettings) -> FastAPI:
 
     @app.post("/v1/training/rounds/{round_id}/end")
     def end(round_id: RoundId, body: EndBody, who: Caller = Depends(caller)):
-        store.end(round_id, body.model_dump(), who)
+        if store.end(round_id, body.model_dump(), who):
+            auto_promote(round_id)
         return {}
 
     @app.get("/v1/training/slice", response_class=PlainTextResponse)
@@ -401,6 +403,12 @@ def create_app(settings: HubSettings) -> FastAPI:
         store.tell_baseline(key, body.baseline.model_dump(exclude_unset=True), by)
         return {}
 
+    def auto_promote(round_id: str) -> None:
+        """With --auto-promote, a round is put to the gate once it has both ended and its adapter
+        (whichever comes last: field clients end before they upload)."""
+        if settings.auto_promote and adapters.exists(round_id):
+            store.auto_promote(round_id)
+
     @app.put("/v1/training/rounds/{round_id}/adapter")
     async def put_adapter(
         round_id: RoundId,
@@ -419,10 +427,13 @@ def create_app(settings: HubSettings) -> FastAPI:
             if chunk is None:
                 tmp = await _receive_to_file(request, adapters)
                 size = await run_in_threadpool(adapters.keep, tmp, name)
-                return {"name": name, "size": size}
-            body = await _read_limited(request, adapters.piece)
-            stored = await run_in_threadpool(adapters.put_piece, name, chunk, of, body, who[0])
-            return {"name": name, **stored}
+                stored = {"size": size, "complete": True}
+            else:
+                body = await _read_limited(request, adapters.piece)
+                stored = await run_in_threadpool(adapters.put_piece, name, chunk, of, body, who[0])
+        if stored["complete"] and name == round_id:
+            await run_in_threadpool(auto_promote, round_id)
+        return {"name": name, **stored}
 
     @app.get("/v1/training/adapters/{name}")
     def get_adapter(name: Annotated[str, InPath(max_length=200)], _who: Caller = Depends(caller)):
@@ -489,7 +500,12 @@ def serve(settings: HubSettings) -> None:
     import uvicorn
 
     logging.getLogger("uvicorn.access").addFilter(RedactTokens())
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    tls = {}
+    if settings.ssl_certfile:
+        tls = {"ssl_certfile": str(settings.ssl_certfile), "ssl_keyfile": str(settings.ssl_keyfile)}
+    uvicorn.run(
+        create_app(settings), host=settings.host, port=settings.port, log_level="info", **tls
+    )
 
 
 class EmbeddedHub:

@@ -46,6 +46,8 @@ CREATE TABLE IF NOT EXISTS baselines (
     claimed REAL, body TEXT, PRIMARY KEY (scope, base, paper, turns, answer, student));
 CREATE TABLE IF NOT EXISTS serving (seq INTEGER PRIMARY KEY AUTOINCREMENT, round TEXT NOT NULL,
     adapter TEXT NOT NULL, since REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS decisions (seq INTEGER PRIMARY KEY AUTOINCREMENT, round TEXT NOT NULL,
+    at REAL NOT NULL, promoted INTEGER NOT NULL, by TEXT NOT NULL, why TEXT NOT NULL);
 """
 
 
@@ -79,6 +81,11 @@ class Forbidden(Exception):
 Caller = tuple[str, bool]
 
 
+# How long the server reuses a token's answer (gbray.hub.server.Gate): a revocation is in force
+# this long after it is written.
+TOKEN_SECONDS = 5.0
+
+
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
@@ -98,6 +105,7 @@ class Store:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.claim_timeout = claim_timeout
         self._local = threading.local()
+        self._deciding = threading.Lock()
         with self.connect() as db:
             db.execute("PRAGMA journal_mode=WAL")
             db.executescript(SCHEMA)
@@ -149,6 +157,21 @@ class Store:
                 (name, hash_token(token), int(owner), time.time()),
             )
         return token
+
+    def tokens(self) -> list[dict]:
+        """Every token's name, whether it is an owner's, and when it was made (never the token:
+        only its hash is kept)."""
+        with self.connect() as db:
+            rows = db.execute("SELECT name, owner, created FROM tokens ORDER BY created").fetchall()
+        return [
+            {"name": r["name"], "owner": bool(r["owner"]), "created": r["created"]} for r in rows
+        ]
+
+    def revoke_token(self, name: str) -> bool:
+        """Forget the token named `name`; returns whether there was one. The rounds it
+        registered stay; a token added later under the name may write them again."""
+        with self.transaction() as db:
+            return db.execute("DELETE FROM tokens WHERE name = ?", (name,)).rowcount > 0
 
     def who(self, token: str) -> tuple[str, bool] | None:
         with self.connect() as db:
@@ -333,9 +356,10 @@ class Store:
             raise NotFound(f"no round {round_id}")
         return bool(row["stop"])
 
-    def end(self, round_id: str, body: dict, who: Caller) -> None:
+    def end(self, round_id: str, body: dict, who: Caller) -> bool:
         """Store a round's end, once; `baseline` and `result` are exam objects (`agreement_pct`)
-        or None. The same end again is a retry and changes nothing; another end is refused."""
+        or None. The same end again is a retry and changes nothing (returns False); another end
+        is refused."""
 
         def agreement(exam: dict | None) -> float | None:
             return float(exam["agreement_pct"]) if exam else None
@@ -345,7 +369,7 @@ class Store:
             row = self._own(db, round_id, who)
             if row["ended"] is not None:
                 if row["end_body"] == text:
-                    return
+                    return False
                 raise Conflict(f"round {round_id} has already ended; a round ends once")
             db.execute(
                 "UPDATE rounds SET updated = ?, status = ?, ended = ?, baseline = ?, result = ?, adapter = ?, paper = ?,"
@@ -365,6 +389,7 @@ class Store:
                     round_id,
                 ),
             )
+        return True
 
     def request_stop(self, round_id: str) -> None:
         with self.transaction() as db:
@@ -418,7 +443,13 @@ class Store:
             paired = pair(r.pop("before_marks"), r.pop("after_marks"))
             r["p_value"] = paired.p_value if paired else None
             shares_of(r, token_of)
-        return {"rounds": rounds, "coverage": self.coverage(), "serving": self.serving()}
+        return {
+            "rounds": rounds,
+            "coverage": self.coverage(),
+            "serving": self.serving(),
+            "decisions": self.decisions(),
+            "tools_served": self.tools_served(),
+        }
 
     def _compared(self, body: dict | None) -> dict:
         """The hub's own paired counts (from the marks) and fallen tools (by its rules)."""
@@ -472,8 +503,91 @@ class Store:
 
     # -- promotion ------------------------------------------------------------------------------
 
-    def promote(self, round_id: str, adapter_name: str, adapter_exists: bool) -> dict:
-        """Put the round's adapter into service, or refuse (Conflict) naming the rule."""
+    def promote(
+        self, round_id: str, adapter_name: str, adapter_exists: bool, by: str = "owner"
+    ) -> dict:
+        """Put the round's adapter into service, or refuse (Conflict) naming the rule. Either way
+        the decision is kept (`decisions`: the history the status page draws)."""
+        try:
+            serving = self._promote(round_id, adapter_name, adapter_exists)
+        except Conflict as e:
+            self._decide(round_id, False, by, str(e))
+            raise
+        self._decide(round_id, True, by, "it passed the gate")
+        return serving
+
+    def auto_promote(self, round_id: str) -> dict | None:
+        """`gbray hub serve --auto-promote`: a round that ended done with a baseline and a
+        result, its adapter on the hub, is put to the gate once (trials, measurements and shares
+        are not candidates). The decision is kept and noted on the round; returns it, or None for a
+        non-candidate or a round already decided."""
+        row = self.round(round_id)
+        if row["status"] != "done" or row["result"] is None or row["baseline"] is None:
+            return None
+        with self._deciding:  # its end and its adapter may land at once: one decision
+            with self.connect() as db:
+                if db.execute("SELECT 1 FROM decisions WHERE round = ?", (round_id,)).fetchone():
+                    return None
+            return self._auto_decide(round_id)
+
+    def _auto_decide(self, round_id: str) -> dict:
+        try:
+            self.promote(round_id, round_id, True, by="auto")
+            decision = {"promoted": True, "why": "it passed the gate"}
+            line = "hub: promoted automatically; it passed the gate and serves now"
+        except Conflict as e:
+            decision = {"promoted": False, "why": str(e)}
+            line = f"hub: not promoted: {e}"
+        with self.transaction() as db:
+            db.execute(
+                "INSERT INTO notes (round, line, at) VALUES (?, ?, ?)",
+                (round_id, line, time.time()),
+            )
+        return decision
+
+    def _decide(self, round_id: str, promoted: bool, by: str, why: str) -> None:
+        with self.transaction() as db:
+            db.execute(
+                "INSERT INTO decisions (round, at, promoted, by, why) VALUES (?, ?, ?, ?, ?)",
+                (round_id, time.time(), int(promoted), by, why),
+            )
+
+    def decisions(self, last: int = 200) -> list[dict]:
+        """The newest promotions and refusals, oldest first: round, when, promoted, by whom
+        (owner or auto), why (a refusal's reason starts with its rule), and the round's paper
+        and result (what the page draws over time)."""
+        with self.connect() as db:
+            rows = db.execute(
+                "SELECT d.round, d.at, d.promoted, d.by, d.why, r.paper, r.result "
+                "FROM decisions d JOIN rounds r ON r.id = d.round ORDER BY d.seq DESC LIMIT ?",
+                (last,),
+            ).fetchall()
+        return [{**dict(r), "promoted": bool(r["promoted"])} for r in reversed(rows)]
+
+    def tools_served(self) -> dict:
+        """Per tool, what serves now against what served before it (each as its own round's
+        exam had it: right/asked), for the page."""
+        with self.connect() as db:
+            rows = db.execute(
+                "SELECT s.round, r.end_body FROM serving s JOIN rounds r ON r.id = s.round "
+                "ORDER BY s.seq DESC LIMIT 2"
+            ).fetchall()
+        tables = []
+        for row in rows:
+            body = json.loads(row["end_body"]) if row["end_body"] else {}
+            table = body.get("perTool") if isinstance(body, dict) else None
+            tables.append(table if isinstance(table, dict) else {})
+        now, before = (tables + [{}, {}])[:2]
+        out = {}
+        for tool in sorted(set(now) | set(before))[:200]:
+            a, b = now.get(tool), before.get(tool)
+            out[tool] = {
+                "now": a.get("after") if isinstance(a, dict) else None,
+                "before": b.get("after") if isinstance(b, dict) else None,
+            }
+        return {"rounds": [r["round"] for r in rows], "tools": out}
+
+    def _promote(self, round_id: str, adapter_name: str, adapter_exists: bool) -> dict:
         with self.transaction() as db:
             row = db.execute("SELECT * FROM rounds WHERE id = ?", (round_id,)).fetchone()
             if row is None:

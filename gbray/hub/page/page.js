@@ -62,6 +62,8 @@ async function refresh() {
       (sv ? ` · serving ${sv.round} since ${new Date(sv.since * 1000).toLocaleString()}` : " · nothing serves yet");
     const body = $("rounds").tBodies[0];
     body.replaceChildren(...s.rounds.map((r) => roundRow(r, sv)));
+    served(Array.isArray(s.decisions) ? s.decisions : []);
+    servedTools(s.tools_served && typeof s.tools_served.tools === "object" ? s.tools_served.tools : {});
     if (selected) await detail(selected);
   } catch (e) { say(e.message); }
 }
@@ -133,6 +135,57 @@ function curve(points) {
     for (const p of ps) parts.push(svg("circle", { cx: X(p.step), cy: at(p), r: p.best === true ? 5 : 3, fill: color }));
   }
   box.replaceChildren(...parts);
+}
+
+const PALETTE = ["#1f5fd1", "#0a7a2f", "#b3261e", "#8a4fbf", "#c77800", "#00838f"];
+
+// What served over time: every decision of the gate, a dot if promoted (the line joins them), a
+// cross if refused, its rule in the cross's title.
+function served(decisions) {
+  const box = $("served"), W = 640, H = 200, P = 34;
+  const ds = decisions.filter((d) => num(d.at) !== null && num(d.result) !== null);
+  if (!ds.length) {
+    const t = svg("text", { x: 10, y: 20, fill: "#777" });
+    t.textContent = "no round put to the gate yet";
+    box.replaceChildren(t);
+  } else {
+    const t0 = Math.min(...ds.map((d) => d.at)), t1 = Math.max(...ds.map((d) => d.at), t0 + 1);
+    const X = (t) => P + (W - 2 * P) * (t - t0) / (t1 - t0), Y = (v) => H - P - (H - 2 * P) * v / 100;
+    const papers = [...new Set(ds.map((d) => String(d.paper)))];
+    const color = (d) => PALETTE[papers.indexOf(String(d.paper)) % PALETTE.length];
+    const parts = [svg("line", { x1: P, y1: H - P, x2: W - P, y2: H - P, stroke: "#999" }),
+      svg("line", { x1: P, y1: P, x2: P, y2: H - P, stroke: "#999" })];
+    const label = (x, y, s) => { const t = svg("text", { x, y, "font-size": 11 }); t.textContent = s; return t; };
+    parts.push(label(2, P + 4, "100%"), label(8, H - P, "0%"),
+      label(P, H - 8, new Date(t0 * 1000).toLocaleString()), label(W - P - 130, H - 8, new Date(t1 * 1000).toLocaleString()));
+    const promoted = ds.filter((d) => d.promoted === true);
+    parts.push(svg("polyline", { fill: "none", stroke: "#999", "stroke-width": 1.5,
+      points: promoted.map((d) => X(d.at) + "," + Y(d.result)).join(" ") }));
+    for (const d of ds) {
+      const x = X(d.at), y = Y(d.result), c = color(d);
+      const mark = d.promoted === true ? svg("circle", { cx: x, cy: y, r: 5, fill: c })
+        : svg("path", { d: `M${x - 4},${y - 4}L${x + 4},${y + 4}M${x - 4},${y + 4}L${x + 4},${y - 4}`, stroke: c, "stroke-width": 2 });
+      const title = svg("title");
+      title.textContent = `${d.round} on ${d.paper}: ${fmt(d.result)}% · ` + (d.promoted === true ? "promoted" : "refused: " + d.why);
+      mark.append(title);
+      parts.push(mark);
+    }
+    box.replaceChildren(...parts);
+  }
+  $("decisions").tBodies[0].replaceChildren(...decisions.slice(-12).reverse().map((d) => el("tr", {},
+    el("td", {}, num(d.at) === null ? "–" : new Date(d.at * 1000).toLocaleString()), el("td", {}, d.round),
+    el("td", {}, d.paper), el("td", {}, fmt(d.result)),
+    el("td", { class: d.promoted === true ? "beat" : "lost" }, d.promoted === true ? "promoted" : "refused"),
+    el("td", {}, d.by), el("td", {}, d.promoted === true ? "" : d.why))));
+}
+
+function servedTools(tools) {
+  const rows = Object.entries(tools).map(([t, v]) => {
+    const row = v && typeof v === "object" ? v : {};
+    return el("tr", {}, el("td", {}, t), el("td", {}, row.now ?? "–"), el("td", {}, row.before ?? "–"));
+  });
+  $("served-tools").tBodies[0].replaceChildren(...(rows.length ? rows :
+    [el("tr", {}, el("td", { colspan: 3, class: "muted" }, "nothing serves yet, or it reported no table"))]));
 }
 
 function button(label, action) {
