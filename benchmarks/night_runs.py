@@ -44,6 +44,14 @@ def round_command(data: Path, student: Path, out: Path, minutes: float, seed: in
     ]  # fmt: skip
 
 
+def trial_command(student: Path, out: Path, paper: int, *flags: str) -> list[str]:
+    """One `gbray trial` (an exam of a candidate, in a process of its own), plus `flags`."""
+    return [
+        sys.executable, "-m", "gbray.cli", "trial", "--model", str(student), "--out", str(out),
+        "--threads", "1", "--exam-turns", str(paper), *flags,
+    ]  # fmt: skip
+
+
 def run_round(command: list[str], out: Path) -> dict:
     """Run the night unless its round.json is there; return its round.json."""
     if not (out / "round.json").is_file():

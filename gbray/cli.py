@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from gbray.data.turns import DataError
-from gbray.hub.gate import GateRules
+from gbray.hub.gate import UNATTENDED, GateRules
 from gbray.pretrained import KNOWN as KNOWN_STUDENTS
 from gbray.settings import (
     HelpFormatter,
@@ -194,9 +194,9 @@ def _round_settings(args) -> RoundSettings:
 
 
 def cmd_trial(args) -> int:
-    from gbray.round import run_trial
+    from gbray.api import trial
 
-    record = run_trial(_round_settings(args))
+    record = trial(_round_settings(args)).record
     result = record["result"]
     if result is None:
         print(f"gbray: {record['why']}", file=sys.stderr)
@@ -215,12 +215,13 @@ def cmd_trial(args) -> int:
 
 
 def cmd_round(args) -> int:
-    from gbray.round import run_round, summary_line
+    from gbray.api import night
+    from gbray.round import summary_line
 
     settings = _round_settings(args)
-    record = run_round(settings)
-    print(json.dumps(summary_line(record, settings.out)))
-    return 0 if record["status"] in ("done", "stopped") else 1
+    done = night(settings)
+    print(json.dumps(summary_line(done.record, settings.out)))
+    return 0 if done.status in ("done", "stopped") else 1
 
 
 def per_tool_table(baseline: dict | None, result: dict | None) -> str:
@@ -361,10 +362,8 @@ def cmd_merge(args) -> int:
 def cmd_hub_serve(args) -> int:
     from gbray.hub.server import HubSettings, serve
 
-    # Unattended promotion holds a round to more by default: significance and no fallen tool
-    # (flags given win).
-    strict = {"promote_p": 0.05, "refuse_fallen": True} if args.auto_promote else {}
-    gate = from_args(GateRules, args, hints=strict)
+    # Flags given win over --auto-promote's stricter defaults.
+    gate = from_args(GateRules, args, hints=UNATTENDED if args.auto_promote else {})
     try:
         gate.validate()
         if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
@@ -461,13 +460,18 @@ def cmd_hub_marks_clear(args) -> int:
 def cmd_hub_promote(args) -> int:
     import requests
 
-    r = requests.post(
-        f"{args.hub.rstrip('/')}/v1/training/rounds/{args.id}/promote",
-        headers={"Authorization": f"Bearer {args.token}"},
-        timeout=30,
-    )
-    print(json.dumps({"status": r.status_code, **r.json()}))
-    return 0 if r.ok else 1
+    from gbray.api import promote
+
+    try:
+        answer = promote(args.hub, args.token, args.id, ca=args.ca)
+    except requests.HTTPError as e:
+        print(json.dumps({"status": e.response.status_code, "detail": e.response.text[:500]}))
+        return 1
+    if answer.promoted:
+        print(json.dumps({"status": 200, "serving": answer.serving}))
+        return 0
+    print(json.dumps({"status": 409, "detail": answer.refused}))
+    return 1
 
 
 def add_hub_parser(verbs) -> None:
@@ -503,9 +507,10 @@ def add_hub_parser(verbs) -> None:
     p.add_argument(
         "--auto-promote",
         action="store_true",
-        help="promote a round that passes the gate as it ends (a round that ended done, trained "
-        "and examined); with it --promote-p defaults to 0.05 and --refuse-fallen to on. Every "
-        "decision, and its rule when refused, is noted on the round and kept in the history",
+        help="put every round that ends done with a baseline and a result to the gate once its "
+        "adapter is on the hub, and promote it if it passes; with it --promote-p defaults to "
+        "0.05 and --refuse-fallen to on. Every decision, and its rule when refused, is noted on "
+        "the round and kept in the history",
     )
     add_fields(p, GateRules, "promotion")
     p.set_defaults(func=cmd_hub_serve)
@@ -570,6 +575,7 @@ def add_hub_parser(verbs) -> None:
     p.add_argument("id", help="round id")
     p.add_argument("--hub", required=True, help="hub URL")
     p.add_argument("--token", required=True, help="an owner token")
+    p.add_argument("--ca", help="certificate authority (PEM) of an https:// hub with its own")
     p.set_defaults(func=cmd_hub_promote)
 
 

@@ -9,10 +9,12 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.slow
+EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
 def cluster(*kinds, head_cpus=1):
@@ -58,43 +60,36 @@ def test_a_two_share_round_from_one_command_on_three_nodes_through_a_hub(learnab
     hub.start()
     c, _ = cluster("laptop", "desktop")
     out = tmp_path / "night"
+    # The owner's driver script (examples/shares_night.py, on gbray.api): the shares night, the
+    # owner's promotion of the merge, then a trial of what serves (a fresh exam in a process of
+    # its own, nothing cached) that must score what its round recorded.
+    recipe = {
+        "epochs": 4, "turns": 1600, "lr": 3e-3, "batch": 8, "accum": 1, "lora_r": 16,
+        "lora_alpha": 32, "max_len": 512, "val_every_minutes": 0.5, "exam_turns": 100,
+        "answer_budget": 24, "seed": 5, "threads": 1, "gradient_checkpointing": False,
+        # Pinned: where bfloat16 and float32 run the tiny student at about one speed (this
+        # machine: 1.2x either way), each share's probe could choose differently.
+        "precision": "float32",
+    }  # fmt: skip
     try:
         run = subprocess.run(
             [
-                sys.executable, "-m", "gbray.cli", "round", "--address", c.address,
-                "--hub", hub.url, "--token", hub.device,
-                "--shares", "2", "--examine-shares", "--data", str(corpus), "--model", str(student),
-                "--out", str(out), "--hours", "0.05", "--epochs", "4", "--turns", "1600",
-                "--lr", "3e-3", "--batch", "8", "--accum", "1", "--lora-r", "16", "--lora-alpha", "32",
-                "--max-len", "512", "--val-every-minutes", "0.5", "--exam-turns", "100",
-                "--answer-budget", "24", "--seed", "5", "--threads", "1",
-                "--no-gradient-checkpointing",
-                # Pinned: where bfloat16 and float32 run the tiny student at about one speed
-                # (this machine: 1.2x either way), each share's probe could choose differently.
-                "--precision", "float32",
+                sys.executable, str(EXAMPLES / "shares_night.py"), "--address", c.address,
+                "--shares", "2", "--hub", hub.url, "--device-token", hub.device,
+                "--owner-token", hub.owner, "--data", str(corpus), "--model", str(student),
+                "--out", str(out), "--hours", "0.05", "--recipe", json.dumps(recipe),
             ],
             capture_output=True, text=True, timeout=900,
         )  # fmt: skip
-        assert run.returncode == 0, run.stderr[-3000:]
+        assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+        said = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
         record = json.loads((out / "round.json").read_text())
         through_the_hub(hub, record)
-        # The promoted merge is what serves: a trial of hub:serving (a fresh exam in a process
-        # of its own, nothing cached) fetches it and scores what its round recorded.
-        trial = subprocess.run(
-            [
-                sys.executable, "-m", "gbray.cli", "trial", "--adapter", "hub:serving",
-                "--address", c.address, "--hub", hub.url, "--token", hub.device,
-                "--model", str(student), "--out", str(tmp_path / "trial"), "--exam-turns", "100",
-                "--answer-budget", "24", "--max-len", "512", "--threads", "1",
-                "--precision", "float32",
-            ],
-            capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        assert trial.returncode == 0, trial.stderr[-3000:]
-        tried = json.loads((tmp_path / "trial" / "trial.json").read_text())
     finally:
         c.shutdown()
         hub.stop()
+    assert said[1] == {"promoted": True, "refused": None}
+    tried = json.loads((out / "trial" / "trial.json").read_text())
     assert tried["candidate"] == f"hub:{record['hub_round']}"
     assert tried["serving"]["round"] == record["hub_round"]
     assert tried["result"]["turns"] == record["result"]["turns"] == 100
@@ -130,7 +125,8 @@ def test_a_two_share_round_from_one_command_on_three_nodes_through_a_hub(learnab
 
 def through_the_hub(hub, record: dict) -> None:
     """Each share is a round of its own on the hub, with its notes and curve, shown beside the
-    merge round, which names them; the owner promotes the merge (it beat its baseline)."""
+    merge round, which names them; the merge serves (the owner promoted it: it beat its
+    baseline)."""
     import requests
 
     def get(path):
@@ -148,11 +144,7 @@ def through_the_hub(hub, record: dict) -> None:
         stored = get(f"/v1/training/rounds/{rid}")
         assert stored["status"] == "done" and stored["notes"] and stored["checks"]
     assert get(f"/v1/training/rounds/{merge}")["end_body"]["shares"] == shares
-    promoted = requests.post(
-        hub.url + f"/v1/training/rounds/{merge}/promote", headers=hub.headers("owner"), timeout=30
-    )
-    assert promoted.status_code == 200, promoted.text
-    assert get("/v1/training/state")["serving"]["round"] == merge
+    assert get("/v1/training/state")["serving"]["round"] == merge  # the owner promoted it
 
 
 def test_a_slow_share_syncs_less_and_does_not_hold_the_fast_one_back(learnable, tmp_path):

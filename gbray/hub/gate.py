@@ -39,6 +39,11 @@ class GateRules:
             raise ValueError("--fall-points must be in [0, 100] and --fall-min-asked >= 1")
 
 
+# What `--auto-promote` holds a round to beyond the plain gate unless told otherwise: nobody looks
+# at a promotion made at night, so it must be significant and trade no tool away.
+UNATTENDED = {"promote_p": 0.05, "refuse_fallen": True}
+
+
 @dataclass(frozen=True)
 class Candidate:
     """The round asked to serve, as the hub stored its end."""
