@@ -165,7 +165,8 @@ def check_tgz(path: Path, expand_limit: int = 1 << 40) -> list[str]:
     return names
 
 
-def _digest(path: Path) -> str:
+def sha256_of(path: Path) -> str:
+    """A file's SHA-256, read a mebibyte at a time."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(READ):
@@ -209,7 +210,7 @@ class AdapterStore:
                 )
             target = self.path(name)
             if target.exists() and not name.endswith("-last"):
-                if _digest(target) == _digest(tmp):
+                if sha256_of(target) == sha256_of(tmp):
                     return size  # the same bytes again: a retry
                 raise Refused(
                     409, f"adapter {name} is complete; a complete adapter is never replaced"

@@ -11,13 +11,14 @@ the hub replaces it by a rename, so the open file is the old one, whole.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
 import sqlite3
 import time
 from pathlib import Path
+
+from gbray.hub.adapters import sha256_of
 
 log = logging.getLogger(__name__)
 
@@ -27,14 +28,6 @@ DB_NAME = "hub.db"
 
 class BackupError(ValueError):
     """A backup or restore that cannot be done (its reason is the message)."""
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _copy_database(source: Path, target: Path) -> None:
@@ -64,7 +57,7 @@ def _copy_adapters(source: Path, target: Path) -> dict[str, str]:
         except FileNotFoundError:
             continue  # a -last checkpoint between its removal and its replacement
         tmp.replace(copy)
-        digests[path.name] = _sha256(copy)
+        digests[path.name] = sha256_of(copy)
     return digests
 
 
@@ -122,7 +115,7 @@ def restore(source: Path, db: Path, store: Path) -> dict:
         raise BackupError(f"{store} is not empty: restore into a new adapter folder")
     for name, digest in manifest["adapters"].items():
         path = source / "store" / "adapters" / name
-        if not path.is_file() or _sha256(path) != digest:
+        if not path.is_file() or sha256_of(path) != digest:
             raise BackupError(f"the backup's adapter {name} is missing or damaged")
     db.parent.mkdir(parents=True, exist_ok=True)
     _copy_database(source / DB_NAME, db)
