@@ -43,19 +43,17 @@ class Night:
 
     @classmethod
     def of(cls, record: dict, out: Path) -> Night:
-        def pct(key: str) -> float | None:
-            exam = record.get(key)
-            return exam["agreement_pct"] if exam else None
+        from gbray.record import summary_line
 
-        paired = (record.get("comparison") or {}).get("paired") or {}
+        line = summary_line(record, out)
         return cls(
             status=record["status"],
             why=record.get("why"),
             start=record.get("start", "bare"),
-            baseline_pct=pct("baseline"),
-            result_pct=pct("result"),
-            beat=bool(record.get("beat")),
-            p_value=paired.get("p_value"),
+            baseline_pct=line["baseline"],
+            result_pct=line["result"],
+            beat=bool(line["beat"]),
+            p_value=line["p_value"],
             hub_round=record.get("hub_round"),
             adapter=record.get("adapter"),
             shares=record.get("shares", 1),

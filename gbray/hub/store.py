@@ -521,8 +521,11 @@ class Store:
         result, its adapter on the hub, is put to the gate once (trials, measurements and shares
         are not candidates). The decision is kept and noted on the round; returns it, or None for a
         non-candidate or a round already decided."""
-        row = self.round(round_id)
-        if row["status"] != "done" or row["result"] is None or row["baseline"] is None:
+        with self.connect() as db:
+            row = db.execute(
+                "SELECT status, result, baseline FROM rounds WHERE id = ?", (round_id,)
+            ).fetchone()
+        if row is None or row["status"] != "done" or None in (row["result"], row["baseline"]):
             return None
         with self._deciding:  # its end and its adapter may land at once: one decision
             with self.connect() as db:
