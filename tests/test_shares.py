@@ -157,6 +157,8 @@ def test_a_slow_share_syncs_less_and_does_not_hold_the_fast_one_back(learnable, 
     c, _ = cluster("laptop", "desktop", head_cpus=0)
     slow = {"runtime_env": {"env_vars": {"GBRAY_SIMULATED_SLOWDOWN": "0.05"}}}
     # Time-bound nights (more epochs than the minute allows), with and without the slow share.
+    # Syncs every 6 s: a sync's fixed cost (~0.15 s here) is then the few percent it is in a real
+    # night (every 2 minutes); the default for a one-minute night (every 1.5 s) would cost 10%.
     night = quick(hours=1.0 / 60, epochs=50, turns=240, val_every_minutes=0.3)
     try:
         ray.init(address=c.address)
@@ -164,6 +166,7 @@ def test_a_slow_share_syncs_less_and_does_not_hold_the_fast_one_back(learnable, 
             RoundSettings(
                 data=corpus, model=str(student), out=tmp_path / "both", shares=2,
                 share_options=({}, slow), skip_baseline=True, recipe=night,
+                share_average_minutes=0.1,
             )
         )  # fmt: skip
         alone = run_round(
