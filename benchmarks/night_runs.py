@@ -14,10 +14,12 @@ from gbray.data.synth import SynthSettings, write_corpus
 from gbray.student import StudentSettings, build_student
 
 
-def add_corpus_options(ap: argparse.ArgumentParser, turns: int, work: str) -> None:
+def add_corpus_options(
+    ap: argparse.ArgumentParser, turns: int, work: str, page_tokens: int = 500
+) -> None:
     ap.add_argument("--paper", type=int, default=150, help="exam turns")
     ap.add_argument("--turns", type=int, default=turns, help="training turns in the corpus")
-    ap.add_argument("--page-tokens", type=int, default=500, help="the corpus' prompt size")
+    ap.add_argument("--page-tokens", type=int, default=page_tokens, help="the corpus' prompt size")
     ap.add_argument("--work", type=Path, default=Path(work),
                     help="corpus, student and nights (a night already there is read, not rerun)")  # fmt: skip
 

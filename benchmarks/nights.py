@@ -3,7 +3,7 @@ each a `gbray round --adapter hub:serving` (it starts from what serves when it s
 round that passes the gate replaces it), then a `gbray trial --adapter hub:serving` in a process
 of its own: does what serves score what its round recorded?
 
-The corpus is `gbray synth --wording alt` (500-token pages, 40 tools) loaded into the hub, which
+The corpus is `gbray synth --wording alt` (its 300-token pages, 40 tools) loaded into the hub, which
 hands each night a slice of turns no night has taken; the tiny student, pre-trained 450 steps;
 a 150-turn paper; `--threads 1`. The gate is the hub's `--auto-promote` default: beat its own
 baseline, above what serves on the paper, significance (exact McNemar p < 0.05) and no fallen tool.
@@ -11,8 +11,8 @@ baseline, above what serves on the paper, significance (exact McNemar p < 0.05) 
 Prints one JSON object: per night its start, baseline, result, the hub's decision (and the rule
 that refused it), and what serves after it; the serving curve; the trial beside its round.
 
-    python benchmarks/nights.py                        # 5 nights of 3 minutes: about 30 minutes
-    python benchmarks/nights.py --nights 3 --minutes 2
+    python benchmarks/nights.py                        # 5 nights of 3 minutes: about 15 minutes
+    python benchmarks/nights.py --nights 3 --page-tokens 500   # pages where 3 minutes stall
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--nights", type=int, default=5)
     ap.add_argument("--minutes", type=float, default=3.0, help="each night's hours, in minutes")
     ap.add_argument("--seed", type=int, default=1, help="the first night's seed (then +1 each)")
-    add_corpus_options(ap, turns=8000, work="/tmp/gbray-bench-nights")
+    add_corpus_options(ap, turns=8000, work="/tmp/gbray-bench-nights", page_tokens=300)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     data, student = prepare(args.work, args.turns, args.page_tokens, wording="alt")

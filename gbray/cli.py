@@ -107,6 +107,7 @@ def cmd_synth(args) -> int:
             tools=args.tools,
             wording=args.wording,
             system_tokens=args.system_tokens,
+            hard=args.hard,
         )
     )
     print(json.dumps({"out": str(args.out), **counts}))
@@ -668,6 +669,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="a system prompt of about this many tokens: every tool described with its argument "
         "schema, then usage rules, as a real agent's catalogue (default 0: a short list)",
+    )
+    p.add_argument(
+        "--hard",
+        action="store_true",
+        help="turns no one field decides: the page offers about twenty tools, the task names a "
+        "way of working that two thirds of the tools suit, the history says which of the "
+        "page's suitable tools were used already (their cues still show); the right call is the "
+        "one left. Tools are drawn evenly; pages run longer than --prompt-tokens when their "
+        "cues and history need it",
     )
     p.set_defaults(func=cmd_synth)
 

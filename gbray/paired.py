@@ -76,18 +76,46 @@ def _fraction(cell) -> tuple[int, int] | None:
     return int(right), int(asked)
 
 
-def fallen_tools(per_tool: dict, fall_points: float, min_asked: int) -> list[dict]:
-    """Tools asked at least `min_asked` times whose agreement fell by more than `fall_points`
-    percentage points, from a per-tool table of {tool: {before: "r/a", after: "r/a"}}."""
+@dataclass(frozen=True)
+class FallRule:
+    """When a tool has fallen: asked at least `min_asked` times on the paper, its score fell by
+    more than `points` percentage points, and it lost at least `min_turns` of its turns net.
+
+    The score is the tool's F1, 2·right / (asked + answered), where the table says how often each
+    exam answered the tool on any turn (else its agreement, right / asked): a start that answers
+    one tool everywhere gets all that tool's turns right without knowing it, and losing that is
+    no fall. `min_turns` keeps noise out: on a 150-turn paper of 40 tools a tool is asked about 4
+    times, and 2/5 -> 0/5 is what an unchanged adapter does often; an unchanged tool loses 5 turns
+    net less than once in 32 (each discordant turn a fair coin), and fewer when it also gained."""
+
+    points: float = 20.0
+    min_asked: int = 5
+    min_turns: int = 5
+
+
+def _score(fraction: tuple[int, int], answered) -> float:
+    """A tool's F1 in percent where the exam's answer count is a sane integer, else its
+    agreement (the old client sends no answer counts)."""
+    right, asked = fraction
+    if isinstance(answered, int) and not isinstance(answered, bool) and right <= answered:
+        return 200.0 * right / (asked + answered)
+    return 100.0 * right / asked
+
+
+def fallen_tools(per_tool: dict, rule: FallRule) -> list[dict]:
+    """The tools that fell by `rule`, most first, from a per-tool table of
+    {tool: {before: "r/a", after: "r/a"}}."""
     fell = []
     for tool, row in per_tool.items():
         if not isinstance(row, dict):
             continue
         before, after = _fraction(row.get("before")), _fraction(row.get("after"))
-        if not before or not after or before[1] != after[1] or before[1] < min_asked:
+        if not before or not after or before[1] != after[1] or before[1] < rule.min_asked:
             continue
-        points = 100.0 * (after[0] - before[0]) / before[1]
-        if points < -fall_points:
+        points = _score(after, row.get("answered_after")) - _score(
+            before, row.get("answered_before")
+        )
+        if points < -rule.points and before[0] - after[0] >= rule.min_turns:
             fell.append(
                 {"tool": tool, "before": row["before"], "after": row["after"], "points": points}
             )
@@ -95,14 +123,14 @@ def fallen_tools(per_tool: dict, fall_points: float, min_asked: int) -> list[dic
 
 
 def comparison(
-    before_marks: str | None, after_marks: str | None, per_tool: dict, fall_points: float,
-    min_asked: int,
-) -> dict:  # fmt: skip
+    before_marks: str | None, after_marks: str | None, per_tool: dict, rule: FallRule
+) -> dict:
     """What round.json, the hub's end and the page carry about before vs after."""
     paired = pair(before_marks, after_marks)
     return {
         "paired": asdict(paired) if paired else None,
-        "fell": fallen_tools(per_tool, fall_points, min_asked),
-        "fall_points": fall_points,
-        "fall_min_asked": min_asked,
+        "fell": fallen_tools(per_tool, rule),
+        "fall_points": rule.points,
+        "fall_min_asked": rule.min_asked,
+        "fall_min_turns": rule.min_turns,
     }

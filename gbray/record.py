@@ -6,7 +6,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from gbray.paired import comparison
+from gbray.paired import FallRule, comparison
 from gbray.results import ExamResult, TrainSummary
 
 TRAINING_FIELDS = (
@@ -68,28 +68,42 @@ def shares_record(trained) -> dict:
 
 
 def per_tool(baseline: ExamResult | None, result: ExamResult | None) -> dict:
-    """Per tool: how often it was asked, right/asked before and after."""
+    """Per tool: how often it was asked, right/asked before and after, and how often each exam
+    answered it on any turn (which tells knowing a tool from answering it everywhere)."""
 
     def cell(exam, tool):
         row = exam.per_tool.get(tool) if exam else None
         return f"{row['right']}/{row['asked']}" if row else None
 
+    def answered(exam, tool):
+        if exam is None:
+            return None
+        rows = exam.per_tool.values()
+        return exam.per_tool.get(tool, {}).get("right", 0) + sum(
+            r["instead"].get(tool, 0) for r in rows
+        )
+
     tools = (result or baseline).per_tool if (result or baseline) else {}
     return {
-        t: {"asked": row["asked"], "before": cell(baseline, t), "after": cell(result, t)}
+        t: {
+            "asked": row["asked"],
+            "before": cell(baseline, t),
+            "after": cell(result, t),
+            "answered_before": answered(baseline, t),
+            "answered_after": answered(result, t),
+        }
         for t, row in tools.items()
     }
 
 
-def compare(baseline: ExamResult | None, result: ExamResult | None, fall_points: float,
-            min_asked: int) -> dict | None:  # fmt: skip
+def compare(baseline: ExamResult | None, result: ExamResult | None, rule: FallRule) -> dict | None:
     """Before vs after on the same turns (None without both exams): paired counts and p-value,
     and per tool before and after with the tools that fell flagged."""
     if baseline is None or result is None:
         return None
     rows = per_tool(baseline, result)
     return {
-        **comparison(baseline.marks, result.marks, rows, fall_points, min_asked),
+        **comparison(baseline.marks, result.marks, rows, rule),
         "per_tool": rows,
     }
 

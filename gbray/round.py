@@ -483,9 +483,7 @@ class Round:
             baseline=rec.exam_record(baseline),
             result=rec.exam_record(result),
             beat=rec.beat(baseline, result),
-            comparison=rec.compare(
-                baseline, result, self.settings.fall_points, self.settings.fall_min_asked
-            ),
+            comparison=rec.compare(baseline, result, self.settings.fall_rule()),
             minutes=round((time.time() - self.started) / 60, 2),
         )
         self.note_comparison(r["comparison"])

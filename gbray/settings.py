@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from gbray.paired import FallRule
 from gbray.schedule import KINDS as SCHEDULES
 from gbray.validation import KEEP_BY
 
@@ -347,9 +348,15 @@ class RoundSettings:
     fall_min_asked: int = setting(
         5, "only tools asked at least this often on the paper are flagged"
     )
+    fall_min_turns: int = setting(
+        5, "and only tools that lost at least this many of their turns (net) are flagged"
+    )
     # Per share, extra Ray actor options (tests throttle or pin a share with them); not a flag.
     share_options: tuple = ()
     recipe: Recipe = field(default_factory=Recipe)
+
+    def fall_rule(self) -> FallRule:
+        return FallRule(self.fall_points, self.fall_min_asked, self.fall_min_turns)
 
     def validate(self) -> None:
         self.recipe.validate()
@@ -379,8 +386,10 @@ class RoundSettings:
             problems.append("--share-joins needs averaging (--share-average-minutes > 0)")
         if not self.share_grace > 0:
             problems.append("--share-grace must be > 0")
-        if not 0 <= self.fall_points <= 100 or self.fall_min_asked < 1:
-            problems.append("--fall-points must be in [0, 100] and --fall-min-asked >= 1")
+        if not 0 <= self.fall_points <= 100 or self.fall_min_asked < 1 or self.fall_min_turns < 1:
+            problems.append(
+                "--fall-points must be in [0, 100], --fall-min-asked and --fall-min-turns >= 1"
+            )
         if problems:
             raise ValueError("; ".join(problems))
 

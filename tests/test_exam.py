@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from gbray.paired import comparison, fallen_tools, mcnemar_p, pair
+from gbray.paired import FallRule, comparison, fallen_tools, mcnemar_p, pair
 
 # -- paired -------------------------------------------------------------------------------------
 
@@ -47,10 +47,25 @@ def test_a_tool_that_fell_is_flagged_only_past_the_amount_and_the_floor():
         "rare": {"asked": 2, "before": "2/2", "after": "0/2"},  # asked too rarely
         "new": {"asked": 6, "before": None, "after": "1/6"},
     }
-    fell = fallen_tools(rows, fall_points=20, min_asked=5)
+    rule = FallRule(points=20, min_asked=5, min_turns=5)
+    fell = fallen_tools(rows, rule)
     assert [f["tool"] for f in fell] == ["open"] and fell[0]["points"] == -50
-    out = comparison("10", "01", rows, 20, 5)
+    out = comparison("10", "01", rows, rule)
     assert out["paired"]["only_after"] == 1 and [f["tool"] for f in out["fell"]] == ["open"]
+    # A fall of a few turns is what an unchanged adapter shows by chance: not flagged, however
+    # many points it is on a tool asked a few times.
+    few = {"scroll": {"asked": 5, "before": "2/5", "after": "0/5"}}
+    assert fallen_tools(few, rule) == []
+    assert [f["tool"] for f in fallen_tools(few, FallRule(20, 5, min_turns=2))] == ["scroll"]
+    # A start that answered one tool on every turn of the paper got that tool's turns right
+    # without knowing it: losing them is no fall. Knowing it (answered where asked) and losing
+    # it is.
+    everywhere = {"open": {"asked": 8, "before": "8/8", "after": "0/8",
+                           "answered_before": 150, "answered_after": 3}}  # fmt: skip
+    assert fallen_tools(everywhere, rule) == []
+    known = {"open": {**everywhere["open"], "answered_before": 9}}
+    fell = fallen_tools(known, rule)
+    assert [f["tool"] for f in fell] == ["open"] and round(fell[0]["points"]) == -94
 
 
 def test_shared_prefix_leaves_each_prompt_a_token_of_its_own():

@@ -127,6 +127,12 @@ def test_the_rules_alone():
     assert refusal(candidate(), Serving("r-1", 40.0, "x"), plain) is None
     strict = GateRules(promote_p=0.05)
     assert refusal(candidate(), None, strict).startswith("significance:")  # no marks: unknown
+    # Every rule broken is named, in the gate's order: an owner sees a fallen tool even in a round
+    # that also failed to beat what serves.
+    fell = {"perTool": {"open": {"asked": 20, "before": "18/20", "after": "2/20"}}}
+    both = refusal(candidate(body=fell), Serving("r-0", 40.0, "x"), GateRules(refuse_fallen=True))
+    rules = [part.split(":")[0] for part in both.split("; ")]
+    assert rules == ["above what serves", "no fallen tool"], both
     field_device = candidate(body={"baseline": {"agreement_pct": 20.0}, "result": {}})
     assert "no per-turn marks" in refusal(field_device, None, strict)
     with pytest.raises(ValueError):

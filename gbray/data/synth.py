@@ -4,6 +4,10 @@ Every tool has a kind of page it is the right call for: a kind phrase in the tit
 time) and signature elements in the numbered element list (always). The rest of the page, the
 job and the earlier observations are shared noise. Silver turns carry some wrong labels, as the
 agent's own reports do. Jobs are cut whole into train or eval, never both.
+
+`hard` turns (`gbray synth --hard`) need the page, the task and the history together: the page
+offers many tools, the task's aim suits about half the tools, and the history says which of
+the page's suitable tools were already used (the page still shows them). See `make_hard_turn`.
 """
 
 from __future__ import annotations
@@ -367,6 +371,7 @@ class SynthSettings:
     # A system prompt of about this many tokens (0: the short catalogue), as a real agent's
     # catalogue is: every tool with a description and an argument schema, then usage rules.
     system_tokens: int = 0
+    hard: bool = False
 
     def validate(self) -> None:
         if self.system_tokens < 0:
@@ -379,6 +384,8 @@ class SynthSettings:
             raise ValueError(f"--wording must be one of {sorted(WORDINGS)}")
         if self.prompt_tokens < 80:
             raise ValueError("--prompt-tokens must be at least 80")
+        if self.hard and self.tools < 12:
+            raise ValueError("--hard needs --tools >= 12 (a page offers many tools)")
 
 
 def tool_table(
@@ -506,6 +513,104 @@ def make_turn(rng, settings, wording, table, weights, system, job, topic) -> dic
     }
 
 
+# Hard turns: each split sorts the tools in three thirds, one per way of doing a task; a task
+# names one way, and the tools of the other two thirds suit it (a tool of its third never does).
+# A tool's third in each split is its code.
+AIMS = (
+    ("and keep a copy for later", "without keeping anything", "and pass it on"),
+    ("for the whole team", "just for yourself", "for a client"),
+    ("before the deadline today", "whenever there is time", "within the hour"),
+    ("with the exact figures", "in plain words", "with pictures"),
+)
+
+
+def aim_codes(tools: int, rng: random.Random) -> list[list[int]]:
+    """Per split, each tool's third (0, 1 or 2): every split cuts the tools in thirds."""
+    codes = []
+    for _ in AIMS:
+        thirds = [i % 3 for i in range(tools)]
+        rng.shuffle(thirds)
+        codes.append(thirds)
+    return codes
+
+
+def hard_answer(offered: set[str], used: set[str], way: tuple[int, int], codes, names) -> set[str]:
+    """The tools a hard turn's fields allow: offered on the page, suiting the task's way (not of
+    its third in its split) and not used on this page yet. One, on every gold turn."""
+    split, third = way
+    return {n for i, n in enumerate(names) if n in offered - used and codes[split][i] != third}
+
+
+def make_hard_turn(rng, settings, wording, table, codes, system, job, topic) -> dict:
+    """A turn no one field decides. The task names a way of doing it (a third of one split);
+    the page offers the target, tools that suit the way but the history says were already used
+    on this page (their cues still show: a banner closed, a dialog dismissed), and tools of the
+    way's third, some of them used too; each offered tool's cue is one of its signature
+    elements, listed in any order, a quarter of them also named in the page's text. The history
+    also holds earlier pages' steps. So the right call is the offered tool that suits the way
+    and was not used yet (`hard_answer`); each field alone leaves about twenty tools open, and
+    the tools the page offers are about as likely to suit the way as not."""
+    n_tools = len(table)
+    target = rng.randrange(n_tools)
+    split = rng.randrange(len(AIMS))
+    third = rng.choice([k for k in range(3) if k != codes[split][target]])
+    suits = [i for i in range(n_tools) if codes[split][i] != third and i != target]
+    never = [i for i in range(n_tools) if codes[split][i] == third]
+    rng.shuffle(suits)
+    rng.shuffle(never)
+    n_used_never, n_open_never = rng.randint(1, 3), rng.randint(4, 6)
+    used = suits[: rng.randint(11, 15)] + never[:n_used_never]
+    offered = [target, *used, *never[3 : 3 + n_open_never]]
+    # Earlier pages' steps name tools not used here, the target half the time (as often as the
+    # history names any other tool): a tool is spent only on the page it was used on.
+    earlier = rng.sample([i for i in range(n_tools) if i not in (*used, target)], rng.randint(3, 6))
+    if rng.random() < 0.5:
+        earlier.append(target)
+    history = [f"- {table[i][0]}: used on this page, {rng.choice(FILLER)}" for i in used]
+    history += [f"- {table[i][0]}: on an earlier page, {rng.choice(FILLER)}" for i in earlier]
+    rng.shuffle(history)
+    way = AIMS[split][third]
+    head = (
+        f"{wording.job} {job}: find out about {topic}, {way}."
+        if rng.random() < 0.5
+        else f"{wording.job} {job}: {way}, find out about {topic}."
+    )
+    cues = {i: rng.choice(table[i][3]) for i in offered}
+    elements = [cues[i] for i in offered] + rng.sample(GENERIC_ELEMENTS, rng.randint(2, 5))
+    rng.shuffle(elements)
+    number = {e: k + 1 for k, e in enumerate(elements)}
+    fixed = len(system) + len(head) + sum(len(h) + 1 for h in history) + 260
+    fixed += sum(len(e) + 6 for e in elements)
+    text: list[str] = []
+    size, wanted = 0, max(0, settings.prompt_tokens * 3.6 - fixed)
+    while size < wanted:
+        line = f"{rng.choice(FILLER).capitalize()} on {topic}, {rng.choice(FILLER)}."
+        text.append(line)
+        size += len(line) + 1
+    for i in rng.sample(offered, len(offered) // 4):
+        text.insert(rng.randint(0, len(text)), f"The page shows {cues[i]}.")
+    site = rng.choice(SITES)
+    page = [
+        wording.page, f"URL: https://{site}/{topic.replace(' ', '-')}/{rng.randint(10, 9999)}",
+        f"{wording.title} {topic.title()} | {site}", *text, wording.elements,
+        *(f"[{k + 1}] {e}" for k, e in enumerate(elements)),
+    ]  # fmt: skip
+    user = "\n\n".join([head, "\n".join([wording.history, *history]), "\n".join(page)])
+    tool = table[target][0]
+    tier = "gold" if rng.random() >= settings.silver_share else "silver"
+    if tier == "silver" and rng.random() < settings.silver_wrong:
+        tool = rng.choice(table)[0]
+    return {
+        "job": job,
+        "tier": tier,
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": user},
+            {"role": "assistant", "content": _answer(tool, target, number[cues[target]], topic)},
+        ],
+    }
+
+
 def write_corpus(settings: SynthSettings) -> dict:
     """Write train.jsonl and eval.jsonl under settings.out; returns counts."""
     settings.validate()
@@ -513,6 +618,7 @@ def write_corpus(settings: SynthSettings) -> dict:
     wording = WORDINGS[settings.wording]
     table = tool_table(settings, rng)
     weights = [share for _, share, _, _ in table]
+    codes = aim_codes(len(table), random.Random(settings.seed + 2)) if settings.hard else None
     system = (
         long_catalogue(wording, table, settings.system_tokens, random.Random(settings.seed + 1))
         if settings.system_tokens
@@ -529,7 +635,12 @@ def write_corpus(settings: SynthSettings) -> dict:
                 job = f"j-{job_no:05d}"
                 topic = rng.choice(TOPICS)
                 for _ in range(min(rng.randint(3, 10), want - written)):
-                    turn = make_turn(rng, settings, wording, table, weights, system, job, topic)
+                    if codes:
+                        turn = make_hard_turn(
+                            rng, settings, wording, table, codes, system, job, topic
+                        )
+                    else:
+                        turn = make_turn(rng, settings, wording, table, weights, system, job, topic)
                     f.write(json.dumps(turn, ensure_ascii=False) + "\n")
                     written += 1
         counts[name] = written

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gbray.paired import fallen_tools, pair
+from gbray.paired import FallRule, fallen_tools, pair
 from gbray.settings import setting
 
 
@@ -31,12 +31,20 @@ class GateRules:
         20.0, "percentage points a tool's agreement may fall before it is flagged"
     )
     fall_min_asked: int = setting(5, "only tools asked at least this often on the paper count")
+    fall_min_turns: int = setting(
+        5, "and only a tool that lost at least this many of its turns (net) has fallen"
+    )
 
     def validate(self) -> None:
         if self.promote_p is not None and not 0 < self.promote_p <= 1:
             raise ValueError("--promote-p must be in (0, 1]")
-        if not 0 <= self.fall_points <= 100 or self.fall_min_asked < 1:
-            raise ValueError("--fall-points must be in [0, 100] and --fall-min-asked >= 1")
+        if not 0 <= self.fall_points <= 100 or self.fall_min_asked < 1 or self.fall_min_turns < 1:
+            raise ValueError(
+                "--fall-points must be in [0, 100], --fall-min-asked and --fall-min-turns >= 1"
+            )
+
+    def fall_rule(self) -> FallRule:
+        return FallRule(self.fall_points, self.fall_min_asked, self.fall_min_turns)
 
 
 # What `--auto-promote` holds a round to beyond the plain gate unless told otherwise: nobody looks
@@ -67,51 +75,82 @@ class Serving:
 
 
 def refusal(c: Candidate, serving: Serving | None, rules: GateRules) -> str | None:
-    """The reason the candidate may not serve, naming the rule; None when every rule holds."""
+    """Why the candidate may not serve, naming every rule it broke ("; " between them, in the
+    order below); None when every rule holds. A round that has not ended done, or reported no
+    baseline and result on one paper, is refused for that alone: the other rules need both."""
     if not c.ended or c.status != "done":
         return f"round {c.round} has not ended done (status {c.status})"
     if c.baseline is None or c.result is None or not c.paper:
         return f"round {c.round} reported no baseline and result on one paper"
-    if not c.result > c.baseline:
-        return (
-            f"beat its baseline: round {c.round} did not beat its baseline on paper {c.paper}: "
-            f"{c.result:.1f} vs {c.baseline:.1f}"
+    broken = [
+        why
+        for why in (
+            _beat_baseline(c),
+            _above_serving(c, serving),
+            _significance(c, rules),
+            _no_fallen_tool(c, rules),
         )
-    if serving is not None and serving.round != c.round:
-        if serving.score is None:
-            return (
-                f"above what serves: what serves (round {serving.round}) has no score on paper "
-                f"{c.paper}; measure it there first (gbray trial --adapter hub:{serving.round})"
-            )
-        if not c.result > serving.score:
-            return (
-                f"above what serves: round {c.round} scored {c.result:.1f} on paper {c.paper}, "
-                f"not above what serves (round {serving.round}: {serving.score:.1f}, "
-                f"{serving.measured_by})"
-            )
+        if why
+    ]
+    return "; ".join(broken) or None
+
+
+def _beat_baseline(c: Candidate) -> str | None:
+    if c.result > c.baseline:
+        return None
+    return (
+        f"beat its baseline: round {c.round} did not beat its baseline on paper {c.paper}: "
+        f"{c.result:.1f} vs {c.baseline:.1f}"
+    )
+
+
+def _above_serving(c: Candidate, serving: Serving | None) -> str | None:
+    if serving is None or serving.round == c.round:
+        return None
+    if serving.score is None:
+        return (
+            f"above what serves: what serves (round {serving.round}) has no score on paper "
+            f"{c.paper}; measure it there first (gbray trial --adapter hub:{serving.round})"
+        )
+    if c.result > serving.score:
+        return None
+    return (
+        f"above what serves: round {c.round} scored {c.result:.1f} on paper {c.paper}, "
+        f"not above what serves (round {serving.round}: {serving.score:.1f}, "
+        f"{serving.measured_by})"
+    )
+
+
+def _significance(c: Candidate, rules: GateRules) -> str | None:
+    if rules.promote_p is None:
+        return None
     body = c.end_body or {}
-    if rules.promote_p is not None:
-        paired = pair(_marks(body.get("baseline")), _marks(body.get("result")))
-        if paired is None:
-            return (
-                f"significance: round {c.round} carries no per-turn marks for both its baseline "
-                f"and its result, so its p-value is unknown"
-            )
-        if not paired.p_value < rules.promote_p:
-            return (
-                f"significance: round {c.round}'s win is not significant ({paired.sentence()}; "
-                f"required below {rules.promote_p:g})"
-            )
-    if rules.refuse_fallen:
-        rows = body.get("perTool") if isinstance(body.get("perTool"), dict) else {}
-        fell = fallen_tools(rows, rules.fall_points, rules.fall_min_asked)
-        if fell:
-            named = ", ".join(f"{f['tool']} {f['before']} -> {f['after']}" for f in fell[:5])
-            return (
-                f"no fallen tool: round {c.round} has tools that fell by more than "
-                f"{rules.fall_points:g} points: {named}"
-            )
-    return None
+    paired = pair(_marks(body.get("baseline")), _marks(body.get("result")))
+    if paired is None:
+        return (
+            f"significance: round {c.round} carries no per-turn marks for both its baseline "
+            f"and its result, so its p-value is unknown"
+        )
+    if paired.p_value < rules.promote_p:
+        return None
+    return (
+        f"significance: round {c.round}'s win is not significant ({paired.sentence()}; "
+        f"required below {rules.promote_p:g})"
+    )
+
+
+def _no_fallen_tool(c: Candidate, rules: GateRules) -> str | None:
+    if not rules.refuse_fallen:
+        return None
+    rows = (c.end_body or {}).get("perTool")
+    fell = fallen_tools(rows if isinstance(rows, dict) else {}, rules.fall_rule())
+    if not fell:
+        return None
+    named = ", ".join(f"{f['tool']} {f['before']} -> {f['after']}" for f in fell[:5])
+    return (
+        f"no fallen tool: round {c.round} has tools that fell by more than "
+        f"{rules.fall_points:g} points: {named}"
+    )
 
 
 def _marks(exam) -> str | None:

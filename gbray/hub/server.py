@@ -157,6 +157,8 @@ class ToolRow(Body):
     asked: Count | str | None = None
     before: Annotated[str, Field(max_length=200)] | None = None
     after: Annotated[str, Field(max_length=200)] | None = None
+    answered_before: Count | None = None
+    answered_after: Count | None = None
 
 
 class EndBody(Body):

@@ -461,7 +461,7 @@ class Store:
         rows = body.get("perTool") if isinstance(body.get("perTool"), dict) else {}
         return {
             "paired": asdict(paired) if paired else None,
-            "fell": fallen_tools(rows, self.rules.fall_points, self.rules.fall_min_asked),
+            "fell": fallen_tools(rows, self.rules.fall_rule()),
         }
 
     # -- baselines ------------------------------------------------------------------------------

@@ -1,0 +1,113 @@
+"""`gbray synth --hard`: turns that no one field decides. A count-based classifier (naive Bayes on
+the words of one field) is checked against chance, and the three fields together against the
+label; the same classifier on the default corpus shows it can find a field that decides."""
+
+import json
+import math
+import random
+import re
+from collections import Counter, defaultdict
+
+import pytest
+
+from gbray.data.synth import (
+    AIMS,
+    WORDINGS,
+    SynthSettings,
+    aim_codes,
+    hard_answer,
+    tool_table,
+    write_corpus,
+)
+
+FIELDS = ("task", "history", "page")
+
+
+def fields(turn: dict, wording) -> dict:
+    head, rest = turn["messages"][1]["content"].split("\n\n", 1)
+    history, _, page = rest.rpartition(wording.page)
+    return {"task": head, "history": history, "page": page}
+
+
+def label(turn: dict) -> str:
+    return json.loads(turn["messages"][2]["content"])["tool"]
+
+
+def read(path, wording):
+    turns = [json.loads(line) for line in path.read_text().splitlines()]
+    return [(fields(t, wording), label(t), t["tier"]) for t in turns]
+
+
+def words(text: str) -> set[str]:
+    return set(re.findall(r"[a-z0-9_]+", text.lower()))
+
+
+def naive_bayes(train, field: str):
+    """Counts of each word per tool (present or not), Laplace-smoothed; the tool with the
+    highest log-probability of the words it sees."""
+    prior, seen = Counter(), defaultdict(Counter)
+    for f, tool, _ in train:
+        prior[tool] += 1
+        seen[tool].update(words(f[field]))
+
+    def classify(f) -> str:
+        ws = words(f[field])
+        return max(
+            prior,
+            key=lambda t: (
+                math.log(prior[t]) + sum(math.log((seen[t][w] + 1) / (prior[t] + 2)) for w in ws)
+            ),
+        )
+
+    return classify
+
+
+def accuracy(classify, turns, field) -> float:
+    gold = [(f, tool) for f, tool, tier in turns if tier == "gold"]
+    return sum(classify(f) == tool for f, tool in gold) / len(gold)
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory):
+    out = {}
+    for name, hard in (("hard", True), ("plain", False)):
+        folder = tmp_path_factory.mktemp(name)
+        write_corpus(SynthSettings(out=folder, turns=5000, eval_turns=1500, seed=3, hard=hard))
+        w = WORDINGS["default"]
+        out[name] = (read(folder / "train.jsonl", w), read(folder / "eval.jsonl", w))
+    return out
+
+
+def test_no_one_field_of_a_hard_turn_names_its_tool(corpora):
+    train, evals = corpora["hard"]
+    tools = {tool for _, tool, _ in train}
+    chance = 1 / len(tools)  # the targets are drawn evenly
+    seen = {f: accuracy(naive_bayes(train, f), evals, f) for f in FIELDS}
+    assert all(a <= 2 * chance for a in seen.values()), (seen, chance)
+    # The same classifier finds the field that decides a default turn: its page.
+    plain_train, plain_eval = corpora["plain"]
+    assert accuracy(naive_bayes(plain_train, "page"), plain_eval, "page") > 0.9
+
+
+def test_the_page_the_task_and_the_history_together_name_it(corpora):
+    train, _ = corpora["hard"]
+    settings = SynthSettings(out=None, seed=3, hard=True)
+    table = tool_table(settings, random.Random(3))
+    names = [t[0] for t in table]
+    codes = aim_codes(len(table), random.Random(settings.seed + 2))
+    owner = {e: name for name, _, _, signature in table for e in signature}
+    assert len(owner) == 3 * len(table)  # every cue belongs to one tool
+    ways = {phrase: (s, k) for s, phrases in enumerate(AIMS) for k, phrase in enumerate(phrases)}
+    lines, near_misses = [], []
+    for f, tool, tier in train:
+        if tier != "gold":
+            continue
+        listed = re.findall(r"^\[\d+\] (.+)$", f["page"], flags=re.M)
+        offered = {owner[e] for e in listed if e in owner}
+        used = set(re.findall(r"^- (\w+): used on this page", f["history"], flags=re.M))
+        way = next(w for phrase, w in ways.items() if phrase in f["task"])
+        assert hard_answer(offered, used, way, codes, names) == {tool}
+        # Near misses: tools the page offers that suit the task but were used already.
+        near_misses.append(len(hard_answer(offered, set(), way, codes, names)) - 1)
+        lines.append(f["history"].count("\n- "))
+    assert min(near_misses) >= 2 and sum(lines) / len(lines) > 12
