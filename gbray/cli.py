@@ -108,6 +108,7 @@ def cmd_synth(args) -> int:
             wording=args.wording,
             system_tokens=args.system_tokens,
             hard=args.hard,
+            new_tools=args.new_tools,
         )
     )
     print(json.dumps({"out": str(args.out), **counts}))
@@ -678,6 +679,15 @@ def build_parser() -> argparse.ArgumentParser:
         "page's suitable tools were used already (their cues still show); the right call is the "
         "one left. Tools are drawn evenly; pages run longer than --prompt-tokens when their "
         "cues and history need it",
+    )
+    p.add_argument(
+        "--new-tools",
+        type=int,
+        default=0,
+        metavar="K",
+        help="K tools (drawn by --seed) are never a training turn's label: they stay in the "
+        "catalogue, which then describes every tool, and are 30%% of the eval turns; a round "
+        "reports its agreement on them as new_tools (default 0)",
     )
     p.set_defaults(func=cmd_synth)
 

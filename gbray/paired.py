@@ -122,14 +122,48 @@ def fallen_tools(per_tool: dict, rule: FallRule) -> list[dict]:
     return sorted(fell, key=lambda f: f["points"])
 
 
+NEW_TOOLS = "(new tools)"
+
+
+def grouped(per_tool: dict, new: list[str] | set[str]) -> dict:
+    """The per-tool table as the fallen-tool rule judges it: the tools the slice never held are
+    one row, `(new tools)`, summed (each is asked a few times; together they are a measure)."""
+    new = {t for t in new if isinstance(per_tool.get(t), dict)}
+    if not new:
+        return per_tool
+    rows = {t: r for t, r in per_tool.items() if t not in new}
+    group = {"asked": 0, "before": [0, 0], "after": [0, 0], "answered_before": 0,
+             "answered_after": 0}  # fmt: skip
+    for t in new:
+        row = per_tool[t]
+        for side in ("before", "after"):
+            cell = _fraction(row.get(side))
+            if cell is None:
+                group[side] = None
+            elif group[side] is not None:
+                group[side] = [group[side][0] + cell[0], group[side][1] + cell[1]]
+            answered = row.get(f"answered_{side}")
+            if isinstance(answered, int) and group[f"answered_{side}"] is not None:
+                group[f"answered_{side}"] += answered
+            else:
+                group[f"answered_{side}"] = None
+        group["asked"] += row.get("asked") if isinstance(row.get("asked"), int) else 0
+    for side in ("before", "after"):
+        group[side] = f"{group[side][0]}/{group[side][1]}" if group[side] else None
+    rows[NEW_TOOLS] = group
+    return rows
+
+
 def comparison(
-    before_marks: str | None, after_marks: str | None, per_tool: dict, rule: FallRule
-) -> dict:
-    """What round.json, the hub's end and the page carry about before vs after."""
+    before_marks: str | None, after_marks: str | None, per_tool: dict, rule: FallRule,
+    new: list[str] = (),
+) -> dict:  # fmt: skip
+    """What round.json, the hub's end and the page carry about before vs after; the tools the
+    slice never held (`new`) are judged as one group."""
     paired = pair(before_marks, after_marks)
     return {
         "paired": asdict(paired) if paired else None,
-        "fell": fallen_tools(per_tool, rule),
+        "fell": fallen_tools(grouped(per_tool, new), rule),
         "fall_points": rule.points,
         "fall_min_asked": rule.min_asked,
         "fall_min_turns": rule.min_turns,

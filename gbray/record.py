@@ -96,14 +96,40 @@ def per_tool(baseline: ExamResult | None, result: ExamResult | None) -> dict:
     }
 
 
-def compare(baseline: ExamResult | None, result: ExamResult | None, rule: FallRule) -> dict | None:
+def new_tools(
+    baseline: ExamResult | None, result: ExamResult | None, slice_tools: set[str]
+) -> dict | None:
+    """Agreement on the paper's turns whose tool the slice never held, before and after (None
+    when every tool on the paper was in the slice, or nothing was trained)."""
+    exam = result or baseline
+    if exam is None or not slice_tools:
+        return None
+    tools = sorted(t for t in exam.per_tool if t not in slice_tools)
+    if not tools:
+        return None
+    asked = sum(exam.per_tool[t]["asked"] for t in tools)
+
+    def right(e):
+        return sum(e.per_tool.get(t, {}).get("right", 0) for t in tools) if e else None
+
+    def pct(n):
+        return round(100.0 * n / asked, 2) if n is not None else None
+
+    before, after = right(baseline), right(result)
+    return {"tools": tools, "asked": asked, "before": before, "after": after,
+            "before_pct": pct(before), "after_pct": pct(after)}  # fmt: skip
+
+
+def compare(
+    baseline: ExamResult | None, result: ExamResult | None, rule: FallRule, new: list[str] = ()
+) -> dict | None:
     """Before vs after on the same turns (None without both exams): paired counts and p-value,
     and per tool before and after with the tools that fell flagged."""
     if baseline is None or result is None:
         return None
     rows = per_tool(baseline, result)
     return {
-        **comparison(baseline.marks, result.marks, rows, rule),
+        **comparison(baseline.marks, result.marks, rows, rule, new),
         "per_tool": rows,
     }
 
@@ -146,6 +172,7 @@ def end_body(record: dict, baseline, result, adapter: str | None, paper_id: str,
         "perTool": per_tool(baseline, result),
         "paired": compared.get("paired"),
         "fell": compared.get("fell"),
+        "newTools": record.get("new_tools"),
     }
 
 

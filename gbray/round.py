@@ -479,14 +479,23 @@ class Round:
         A stopped round uploads nothing: a stop is a stop."""
         r = self.record
         baseline, result = r.get("baseline"), r.get("result")
+        new = rec.new_tools(baseline, result, {t["tool"] for t in work.train + work.val})
         r.update(
             baseline=rec.exam_record(baseline),
             result=rec.exam_record(result),
             beat=rec.beat(baseline, result),
-            comparison=rec.compare(baseline, result, self.settings.fall_rule()),
+            new_tools=new,
+            comparison=rec.compare(
+                baseline, result, self.settings.fall_rule(), new["tools"] if new else ()
+            ),
             minutes=round((time.time() - self.started) / 60, 2),
         )
         self.note_comparison(r["comparison"])
+        if new:
+            self.note(
+                f"new tools (never in the slice: {', '.join(new['tools'])}), {new['asked']} turns: "
+                f"{new['before_pct']}% before, {new['after_pct']}% after"
+            )
         if r["status"] == "failed":
             last = self.out / "last"
             r.setdefault(

@@ -233,3 +233,35 @@ def test_the_full_answer_mode_generates_to_the_budget(learnable):
     assert full.stop_at_tool is False and short.stop_at_tool is True
     assert full.marks == short.marks and len(full.marks) == 16
     assert full.generated_tokens > short.generated_tokens
+
+
+def test_new_tools_are_the_papers_turns_whose_tool_the_slice_never_held():
+    from gbray.hub.gate import GateRules, judged_rows
+    from gbray.record import compare, new_tools, per_tool
+    from gbray.results import ExamResult
+
+    asked = ["open"] * 10 + ["zoom"] * 3 + ["share"] * 3 + ["read"] * 4
+    before = ExamResult(**_exam(asked, ["open"] * 10 + ["zoom"] * 3 + ["open"] * 7))
+    after = ExamResult(**_exam(asked, ["open"] * 10 + ["read"] * 6 + ["read"] * 4))
+    new = new_tools(before, after, slice_tools={"open", "read", "click"})
+    # zoom and share were on the paper, never in the slice: 6 turns, 3 right before, 0 after.
+    assert new == {"tools": ["share", "zoom"], "asked": 6, "before": 3, "after": 0,
+                   "before_pct": 50.0, "after_pct": 0.0}  # fmt: skip
+    assert new_tools(before, after, slice_tools=set()) is None  # nothing trained
+    assert new_tools(before, after, slice_tools={"open", "zoom", "share", "read"}) is None
+    # The fallen-tool rule judges them as one group: each is asked too rarely alone.
+    rule = FallRule(points=20, min_asked=5, min_turns=3)
+    rows = per_tool(before, after)
+    assert fallen_tools(rows, rule) == []
+    compared = compare(before, after, rule, new["tools"])
+    assert [f["tool"] for f in compared["fell"]] == ["(new tools)"]
+    # The hub judges an end the same way, from its perTool and newTools.
+    body = {"perTool": rows, "newTools": new}
+    assert "(new tools)" in judged_rows(body) and "zoom" not in judged_rows(body)
+    assert GateRules(refuse_fallen=True, fall_min_turns=3).fall_rule() == rule
+
+
+def _exam(asked, answered):
+    from gbray.examiner import score
+
+    return score(asked, answered)

@@ -43,7 +43,8 @@ def call(hub, method, path, token, **kw):
     return requests.request(method, hub.url + path, headers=headers, timeout=30, **kw)
 
 
-def night(hub, before: str, after: str, paper: str, per_tool=None, recipe=None) -> str:
+def night(hub, before: str, after: str, paper: str, per_tool=None, recipe=None,
+          new_tools=None) -> str:  # fmt: skip
     """A device's round, ended with these exams and an adapter uploaded."""
     from test_field import field_adapter
 
@@ -54,6 +55,8 @@ def night(hub, before: str, after: str, paper: str, per_tool=None, recipe=None) 
     body = {"status": "done", "baseline": exam(before), "result": exam(after), "paper": paper}
     if per_tool:
         body["perTool"] = per_tool
+    if new_tools:
+        body["newTools"] = new_tools
     assert call(hub, "POST", f"/v1/training/rounds/{rid}/end", hub.device, json=body).ok
     assert call(hub, "PUT", f"/v1/training/rounds/{rid}/adapter", hub.device,
                 data=field_adapter()).ok  # fmt: skip
@@ -105,6 +108,19 @@ def test_the_gate_on_a_real_hub(hub):
     r = promote(hub, fell)
     assert r.status_code == 409 and r.json()["detail"].startswith("no fallen tool:"), r.text
     assert "open 18/20 -> 2/20" in r.json()["detail"]
+    # Tools the round's slice never held are judged as one group: three, each asked 4 times
+    # (too rarely alone), together 12/12 -> 2/12.
+    rare = {t: {"asked": 4, "before": "4/4", "after": a} for t, a in
+            (("zoom", "1/4"), ("share", "1/4"), ("cite", "0/4"))}  # fmt: skip
+    grouped = night(
+        hub, marks(10, seed=9), marks(90, seed=10), "p-B", per_tool=rare,
+        new_tools={"tools": sorted(rare), "asked": 12, "before": 12, "after": 2,
+                   "before_pct": 100.0, "after_pct": 16.67},
+    )  # fmt: skip
+    r = promote(hub, grouped)
+    assert r.status_code == 409 and "(new tools) 12/12 -> 2/12" in r.json()["detail"], r.text
+    stored = call(hub, "GET", f"/v1/training/rounds/{grouped}", hub.owner).json()
+    assert stored["end_body"]["newTools"]["after_pct"] == 16.67
     assert promote(hub, other).status_code == 200
     assert call(hub, "GET", "/v1/training/serving", hub.device).json()["serving"]["round"] == other
     # The state lists each round's p-value (computed by the hub from the marks).

@@ -66,6 +66,14 @@ def test_device_markup_is_shown_as_text_and_never_run(tmp_path):
                 "perTool": {
                     markup(11): {"asked": markup(12), "before": markup(13), "after": markup(14)}
                 },
+                "newTools": {
+                    "tools": [markup(15)],
+                    "asked": 40,
+                    "before": 1,
+                    "after": 12,
+                    "before_pct": 2.5,
+                    "after_pct": 30.0,
+                },
             },
         )
         landed = requests.put(
@@ -99,10 +107,12 @@ def test_device_markup_is_shown_as_text_and_never_run(tmp_path):
     assert "data-pwned" not in dom.split("<body", 1)[1].split(">", 1)[0], "a payload ran"
     assert '<b id="pwned-b">' not in dom and "<b " not in dom
     assert "<img" not in dom and "<svg onload" not in dom.lower()
-    shown = sum(f"#{i}" in dom for i in range(15))
+    shown = sum(f"#{i}" in dom for i in range(16))
     # Every field the page shows holds its markup as text (escaped in the dump).
-    for i in (0, 3, 5, 10, 11, 13, 14):
+    for i in (0, 3, 5, 10, 11, 13, 14, 15):
         assert f"#{i}" in dom, (i, shown)
+    # The round's agreement on tools its slice never held.
+    assert "new tools (never in its slice" in dom and "2.5% before → 30.0% after" in dom
     assert "&lt;img src=x onerror=" in dom
     # The curve drew the agreement (its right axis) and shaded the cool-down.
     assert "100%" in dom and "#fdf1dc" in dom

@@ -111,3 +111,19 @@ def test_the_page_the_task_and_the_history_together_name_it(corpora):
         near_misses.append(len(hard_answer(offered, set(), way, codes, names)) - 1)
         lines.append(f["history"].count("\n- "))
     assert min(near_misses) >= 2 and sum(lines) / len(lines) > 12
+
+
+def test_new_tools_are_never_a_training_label_but_are_on_the_paper(tmp_path):
+    counts = write_corpus(SynthSettings(out=tmp_path, turns=3000, eval_turns=300, seed=4,
+                                        new_tools=4))  # fmt: skip
+    new = set(counts["new_tools"])
+    assert len(new) == 4
+    w = WORDINGS["default"]
+    train, paper = read(tmp_path / "train.jsonl", w), read(tmp_path / "eval.jsonl", w)[:150]
+    assert not new & {tool for _, tool, _ in train}
+    assert sum(tool in new for _, tool, _ in paper) >= 30
+    # The catalogue still lists and describes them.
+    system = json.loads((tmp_path / "train.jsonl").read_text().splitlines()[0])["messages"][0]
+    assert all(f"- {t}: for " in system["content"] for t in new)
+    with pytest.raises(ValueError):
+        SynthSettings(out=tmp_path, new_tools=11).validate()

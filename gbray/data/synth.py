@@ -372,6 +372,9 @@ class SynthSettings:
     # catalogue is: every tool with a description and an argument schema, then usage rules.
     system_tokens: int = 0
     hard: bool = False
+    # Tools never a label in train.jsonl: still in the catalogue (described), and 30% of the
+    # eval turns, so a 150-turn paper holds more than 30 of them.
+    new_tools: int = 0
 
     def validate(self) -> None:
         if self.system_tokens < 0:
@@ -386,6 +389,8 @@ class SynthSettings:
             raise ValueError("--prompt-tokens must be at least 80")
         if self.hard and self.tools < 12:
             raise ValueError("--hard needs --tools >= 12 (a page offers many tools)")
+        if not 0 <= self.new_tools <= self.tools // 4:
+            raise ValueError("--new-tools must be between 0 and a quarter of --tools")
 
 
 def tool_table(
@@ -480,6 +485,7 @@ def _page(rng, wording, table, index, topic, chars_wanted, generic_title_share):
 
 
 def make_turn(rng, settings, wording, table, weights, system, job, topic) -> dict:
+    """A default turn: the tool drawn by `weights` (a tool of weight 0 is never the label)."""
     index = rng.choices(range(len(table)), weights=weights)[0]
     history = [
         f"- {rng.choice(table)[0]}: {rng.choice(FILLER)} on {rng.choice(TOPICS)}"
@@ -501,7 +507,7 @@ def make_turn(rng, settings, wording, table, weights, system, job, topic) -> dic
     tool = table[index][0]
     tier = "gold" if rng.random() >= settings.silver_share else "silver"
     if tier == "silver" and rng.random() < settings.silver_wrong:
-        tool = rng.choice(table)[0]
+        tool = rng.choice(_labels(table, weights))[0]
     return {
         "job": job,
         "tier": tier,
@@ -541,7 +547,12 @@ def hard_answer(offered: set[str], used: set[str], way: tuple[int, int], codes, 
     return {n for i, n in enumerate(names) if n in offered - used and codes[split][i] != third}
 
 
-def make_hard_turn(rng, settings, wording, table, codes, system, job, topic) -> dict:
+def _labels(table, weights) -> list:
+    """The tools a turn may be labelled with (a silver turn's wrong label too)."""
+    return [row for row, w in zip(table, weights, strict=True) if w > 0] if 0 in weights else table
+
+
+def make_hard_turn(rng, settings, wording, table, weights, codes, system, job, topic) -> dict:
     """A turn no one field decides. The task names a way of doing it (a third of one split);
     the page offers the target, tools that suit the way but the history says were already used
     on this page (their cues still show: a banner closed, a dialog dismissed), and tools of the
@@ -551,7 +562,11 @@ def make_hard_turn(rng, settings, wording, table, codes, system, job, topic) -> 
     and was not used yet (`hard_answer`); each field alone leaves about twenty tools open, and
     the tools the page offers are about as likely to suit the way as not."""
     n_tools = len(table)
-    target = rng.randrange(n_tools)
+    target = (
+        rng.choices(range(n_tools), weights=weights)[0]
+        if settings.new_tools
+        else rng.randrange(n_tools)
+    )
     split = rng.randrange(len(AIMS))
     third = rng.choice([k for k in range(3) if k != codes[split][target]])
     suits = [i for i in range(n_tools) if codes[split][i] != third and i != target]
@@ -599,7 +614,7 @@ def make_hard_turn(rng, settings, wording, table, codes, system, job, topic) -> 
     tool = table[target][0]
     tier = "gold" if rng.random() >= settings.silver_share else "silver"
     if tier == "silver" and rng.random() < settings.silver_wrong:
-        tool = rng.choice(table)[0]
+        tool = rng.choice(_labels(table, weights))[0]
     return {
         "job": job,
         "tier": tier,
@@ -611,19 +626,60 @@ def make_hard_turn(rng, settings, wording, table, codes, system, job, topic) -> 
     }
 
 
+NEW_TOOLS_EVAL_SHARE = 0.3
+
+
+def new_tool_indices(tools: int, k: int, seed: int) -> set[int]:
+    """The K tools kept out of training, drawn by the corpus' seed."""
+    return set(random.Random(seed + 3).sample(range(tools), k)) if k else set()
+
+
+def part_weights(shares: list[float], new: set[int], part: str) -> list[float]:
+    """How often each tool is a turn's label in `part`: training never holds a new tool; the
+    eval turns hold the new tools 30% of the time, in their own proportions."""
+    if not new:
+        return shares
+    if part == "train":
+        return [0.0 if i in new else s for i, s in enumerate(shares)]
+    old = sum(s for i, s in enumerate(shares) if i not in new)
+    fresh = sum(shares[i] for i in new)
+    scale = NEW_TOOLS_EVAL_SHARE / (1 - NEW_TOOLS_EVAL_SHARE) * old / fresh
+    return [s * scale if i in new else s for i, s in enumerate(shares)]
+
+
+def described_catalogue(wording: Wording, table, codes) -> str:
+    """Every tool with what tells its turns (a corpus with tools never trained on needs it to
+    name them): its kind of page and cues, and, for hard turns, the ways of working it never
+    suits."""
+    lines = [wording.intro, "Tools:"]
+    for i, (name, _, kind, signature) in enumerate(table):
+        shows = ", ".join(signature[:-1]) + f" or {signature[-1]}"
+        line = f"- {name}: for {kind} pages, which show {shows}"
+        if codes:
+            never = ", ".join(f"'{AIMS[s][codes[s][i]]}'" for s in range(len(AIMS)))
+            line += f"; never for tasks {never}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def write_corpus(settings: SynthSettings) -> dict:
     """Write train.jsonl and eval.jsonl under settings.out; returns counts."""
     settings.validate()
     rng = random.Random(settings.seed)
     wording = WORDINGS[settings.wording]
     table = tool_table(settings, rng)
-    weights = [share for _, share, _, _ in table]
+    shares = [1.0] * len(table) if settings.hard else [share for _, share, _, _ in table]
     codes = aim_codes(len(table), random.Random(settings.seed + 2)) if settings.hard else None
-    system = (
-        long_catalogue(wording, table, settings.system_tokens, random.Random(settings.seed + 1))
-        if settings.system_tokens
-        else catalogue(wording, table, with_descriptions=settings.prompt_tokens >= 1200)
-    )
+    new = new_tool_indices(len(table), settings.new_tools, settings.seed)
+    weights = {part: part_weights(shares, new, part) for part in ("eval", "train")}
+    if settings.system_tokens:
+        system = long_catalogue(
+            wording, table, settings.system_tokens, random.Random(settings.seed + 1)
+        )
+    elif new:
+        system = described_catalogue(wording, table, codes)
+    else:
+        system = catalogue(wording, table, with_descriptions=settings.prompt_tokens >= 1200)
     settings.out.mkdir(parents=True, exist_ok=True)
     counts = {}
     job_no = 0
@@ -635,14 +691,17 @@ def write_corpus(settings: SynthSettings) -> dict:
                 job = f"j-{job_no:05d}"
                 topic = rng.choice(TOPICS)
                 for _ in range(min(rng.randint(3, 10), want - written)):
+                    w = weights[name]
                     if codes:
                         turn = make_hard_turn(
-                            rng, settings, wording, table, codes, system, job, topic
+                            rng, settings, wording, table, w, codes, system, job, topic
                         )
                     else:
-                        turn = make_turn(rng, settings, wording, table, weights, system, job, topic)
+                        turn = make_turn(rng, settings, wording, table, w, system, job, topic)
                     f.write(json.dumps(turn, ensure_ascii=False) + "\n")
                     written += 1
         counts[name] = written
     counts["tools"] = len(table)
+    if new:
+        counts["new_tools"] = [table[i][0] for i in sorted(new)]
     return counts

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gbray.paired import FallRule, fallen_tools, pair
+from gbray.paired import FallRule, fallen_tools, grouped, pair
 from gbray.settings import setting
 
 
@@ -139,11 +139,20 @@ def _significance(c: Candidate, rules: GateRules) -> str | None:
     )
 
 
+def judged_rows(body) -> dict:
+    """An end's per-tool table as the fallen-tool rule judges it: the tools the round's slice
+    never held (its `newTools`) as one row."""
+    body = body if isinstance(body, dict) else {}
+    rows = body.get("perTool") if isinstance(body.get("perTool"), dict) else {}
+    new = body.get("newTools") if isinstance(body.get("newTools"), dict) else {}
+    names = new.get("tools") if isinstance(new.get("tools"), list) else []
+    return grouped(rows, [n for n in names if isinstance(n, str)])
+
+
 def _no_fallen_tool(c: Candidate, rules: GateRules) -> str | None:
     if not rules.refuse_fallen:
         return None
-    rows = (c.end_body or {}).get("perTool")
-    fell = fallen_tools(rows if isinstance(rows, dict) else {}, rules.fall_rule())
+    fell = fallen_tools(judged_rows(c.end_body), rules.fall_rule())
     if not fell:
         return None
     named = ", ".join(f"{f['tool']} {f['before']} -> {f['after']}" for f in fell[:5])

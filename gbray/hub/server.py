@@ -161,6 +161,15 @@ class ToolRow(Body):
     answered_after: Count | None = None
 
 
+class NewToolsBody(Body):
+    tools: Annotated[list[Short], Field(max_length=1000)] = []
+    asked: Count | None = None
+    before: Count | None = None
+    after: Count | None = None
+    before_pct: Annotated[float, Field(ge=0, le=100)] | None = None
+    after_pct: Annotated[float, Field(ge=0, le=100)] | None = None
+
+
 class EndBody(Body):
     status: Literal["done", "failed", "stopped"] = "done"
     baseline: ExamBody | None = None
@@ -171,6 +180,7 @@ class EndBody(Body):
     trained: Count | None = 0
     drawSeed: Annotated[int, Field(ge=-(2**53), le=2**53)] | None = None
     perTool: Annotated[dict[Short, ToolRow], Field(max_length=1000)] | None = None
+    newTools: NewToolsBody | None = None
 
 
 class BaselineBody(Body):

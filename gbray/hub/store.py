@@ -19,7 +19,7 @@ from pathlib import Path
 
 from gbray.data.sampler import draw
 from gbray.data.turns import BadLines, parse_turn
-from gbray.hub.gate import Candidate, GateRules, Serving, refusal
+from gbray.hub.gate import Candidate, GateRules, Serving, judged_rows, refusal
 from gbray.paired import fallen_tools, pair
 
 SCHEMA = """
@@ -458,10 +458,9 @@ class Store:
             body.get(k) if isinstance(body.get(k), dict) else {} for k in ("baseline", "result")
         ]
         paired = pair(exams[0].get("marks"), exams[1].get("marks"))
-        rows = body.get("perTool") if isinstance(body.get("perTool"), dict) else {}
         return {
             "paired": asdict(paired) if paired else None,
-            "fell": fallen_tools(rows, self.rules.fall_rule()),
+            "fell": fallen_tools(judged_rows(body), self.rules.fall_rule()),
         }
 
     # -- baselines ------------------------------------------------------------------------------

@@ -215,6 +215,11 @@ async function detail(id) {
       `exact McNemar p = ${num(p.p_value) === null ? "–" : num(p.p_value).toPrecision(3)}` +
       (fell.length ? ` · fell: ${fell.map((f) => String(f.tool)).join(", ")}` : "")
     : "no per-turn marks for both exams: not paired";
+  const nt = r.end_body && typeof r.end_body.newTools === "object" && r.end_body.newTools ? r.end_body.newTools : null;
+  $("newtools").textContent = nt && Array.isArray(nt.tools) && nt.tools.length
+    ? `new tools (never in its slice: ${nt.tools.map(String).join(", ")}; ${num(nt.asked) ?? "–"} turns): ` +
+      `${fmt(nt.before_pct)}% before → ${fmt(nt.after_pct)}% after`
+    : "";
   const fallen = new Set(fell.map((f) => String(f.tool)));
   const tools = r.end_body && typeof r.end_body.perTool === "object" && r.end_body.perTool ? r.end_body.perTool : {};
   const rows = Object.entries(tools).map(([t, v]) => {
