@@ -104,7 +104,7 @@ def _score(fraction: tuple[int, int], answered) -> float:
 
 def fallen_tools(per_tool: dict, rule: FallRule) -> list[dict]:
     """The tools that fell by `rule`, most first, from a per-tool table of
-    {tool: {before: "r/a", after: "r/a"}}."""
+    {tool: {before: "r/a", after: "r/a"}} (a group's row also lists its `members`)."""
     fell = []
     for tool, row in per_tool.items():
         if not isinstance(row, dict):
@@ -117,8 +117,9 @@ def fallen_tools(per_tool: dict, rule: FallRule) -> list[dict]:
         )
         if points < -rule.points and before[0] - after[0] >= rule.min_turns:
             fell.append(
-                {"tool": tool, "before": row["before"], "after": row["after"], "points": points}
-            )
+                {"tool": tool, "before": row["before"], "after": row["after"], "points": points,
+                 **({"members": row["members"]} if isinstance(row.get("members"), list) else {})}
+            )  # fmt: skip
     return sorted(fell, key=lambda f: f["points"])
 
 
@@ -150,8 +151,15 @@ def grouped(per_tool: dict, new: list[str] | set[str]) -> dict:
         group["asked"] += row.get("asked") if isinstance(row.get("asked"), int) else 0
     for side in ("before", "after"):
         group[side] = f"{group[side][0]}/{group[side][1]}" if group[side] else None
+    group["members"] = sorted(new)
     rows[NEW_TOOLS] = group
     return rows
+
+
+def fallen_name(fell: dict) -> str:
+    """A fallen tool's name; a group's with its members, e.g. `(new tools) [zoom, share]`."""
+    members = [m for m in fell.get("members") or [] if isinstance(m, str)]
+    return f"{fell['tool']} [{', '.join(members[:10])}]" if members else str(fell["tool"])
 
 
 def comparison(

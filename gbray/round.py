@@ -20,7 +20,7 @@ from pathlib import Path
 from gbray import record as rec
 from gbray.data.turns import DataError, index_folder
 from gbray.hub.client import Hub, NoHub
-from gbray.paired import Paired
+from gbray.paired import Paired, fallen_name
 from gbray.placement import (
     ExamLaunch,
     Stopped,
@@ -520,7 +520,7 @@ class Round:
             paired = Paired(**compared["paired"])
             self.note(f"paired on {paired.turns} turns: {paired.sentence()}")
         for fell in compared["fell"]:
-            self.note(f"tool {fell['tool']} fell: {fell['before']} -> {fell['after']}")
+            self.note(f"tool {fallen_name(fell)} fell: {fell['before']} -> {fell['after']}")
 
 
 def baseline_plan(skip: bool, known: bool, answer: dict | None, shares: int,

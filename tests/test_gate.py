@@ -118,7 +118,10 @@ def test_the_gate_on_a_real_hub(hub):
                    "before_pct": 100.0, "after_pct": 16.67},
     )  # fmt: skip
     r = promote(hub, grouped)
-    assert r.status_code == 409 and "(new tools) 12/12 -> 2/12" in r.json()["detail"], r.text
+    assert (
+        r.status_code == 409
+        and "(new tools) [cite, share, zoom] 12/12 -> 2/12" in r.json()["detail"]
+    ), r.text
     stored = call(hub, "GET", f"/v1/training/rounds/{grouped}", hub.owner).json()
     assert stored["end_body"]["newTools"]["after_pct"] == 16.67
     assert promote(hub, other).status_code == 200

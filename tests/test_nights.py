@@ -78,8 +78,12 @@ def test_a_night_that_loses_a_tool_is_refused_by_the_fallen_tool_rule(
         decision = next(d for d in seen["decisions"] if d["round"] == second.hub_round)
         after = second.record["result"]["per_tool"].get(lost)
         assert not decision["promoted"], (decision, after)
+        # The slice never held the tool, so the rule judged it with the paper's other such
+        # tools, as one group, and names it.
         rules = [part.split(":")[0] for part in decision["why"].split("; ")]
-        assert "no fallen tool" in rules and lost in decision["why"], decision["why"]
+        assert rules == ["no fallen tool"], decision["why"]
+        assert "(new tools) [" in decision["why"] and lost in decision["why"], decision["why"]
+        assert lost in second.record["new_tools"]["tools"]
         assert seen["serving"]["round"] == first.hub_round  # what serves did not change
     finally:
         hub.stop()

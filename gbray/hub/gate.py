@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gbray.paired import FallRule, fallen_tools, grouped, pair
+from gbray.paired import FallRule, fallen_name, fallen_tools, grouped, pair
 from gbray.settings import setting
 
 
@@ -155,7 +155,7 @@ def _no_fallen_tool(c: Candidate, rules: GateRules) -> str | None:
     fell = fallen_tools(judged_rows(c.end_body), rules.fall_rule())
     if not fell:
         return None
-    named = ", ".join(f"{f['tool']} {f['before']} -> {f['after']}" for f in fell[:5])
+    named = ", ".join(f"{fallen_name(f)} {f['before']} -> {f['after']}" for f in fell[:5])
     return (
         f"no fallen tool: round {c.round} has tools that fell by more than "
         f"{rules.fall_points:g} points: {named}"
