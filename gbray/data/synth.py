@@ -504,6 +504,13 @@ def make_turn(rng, settings, wording, table, weights, system, job, topic) -> dic
         settings.generic_title_share,
     )
     user = "\n\n".join([head, "\n".join([wording.history, *history]) if history else "", page])
+    return _turn(rng, settings, table, weights, job, system, user.replace("\n\n\n", "\n\n"),
+                 index, n, topic)  # fmt: skip
+
+
+def _turn(rng, settings, table, weights, job, system, user, index, n, topic) -> dict:
+    """The turn as the corpus holds it; a silver turn is sometimes labelled with another tool,
+    as the agent's own reports are."""
     tool = table[index][0]
     tier = "gold" if rng.random() >= settings.silver_share else "silver"
     if tier == "silver" and rng.random() < settings.silver_wrong:
@@ -513,7 +520,7 @@ def make_turn(rng, settings, wording, table, weights, system, job, topic) -> dic
         "tier": tier,
         "messages": [
             {"role": "system", "content": system},
-            {"role": "user", "content": user.replace("\n\n\n", "\n\n")},
+            {"role": "user", "content": user},
             {"role": "assistant", "content": _answer(tool, index, n, topic)},
         ],
     }
@@ -611,19 +618,8 @@ def make_hard_turn(rng, settings, wording, table, weights, codes, system, job, t
         *(f"[{k + 1}] {e}" for k, e in enumerate(elements)),
     ]  # fmt: skip
     user = "\n\n".join([head, "\n".join([wording.history, *history]), "\n".join(page)])
-    tool = table[target][0]
-    tier = "gold" if rng.random() >= settings.silver_share else "silver"
-    if tier == "silver" and rng.random() < settings.silver_wrong:
-        tool = rng.choice(_labels(table, weights))[0]
-    return {
-        "job": job,
-        "tier": tier,
-        "messages": [
-            {"role": "system", "content": system},
-            {"role": "user", "content": user},
-            {"role": "assistant", "content": _answer(tool, target, number[cues[target]], topic)},
-        ],
-    }
+    return _turn(rng, settings, table, weights, job, system, user, target,
+                 number[cues[target]], topic)  # fmt: skip
 
 
 NEW_TOOLS_EVAL_SHARE = 0.3
