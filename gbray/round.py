@@ -33,7 +33,14 @@ from gbray.placement import (
 )
 from gbray.platform import process_record
 from gbray.results import ExamResult
-from gbray.settings import RoundSettings, as_record, average_every_seconds, locate_model
+from gbray.settings import (
+    RoundSettings,
+    as_record,
+    average_every_seconds,
+    chosen_because,
+    locate_model,
+    student_choice,
+)
 from gbray.shares import Share, ShareNight, Trained, train_shares
 from gbray.work import Work, get_work
 
@@ -141,7 +148,10 @@ class Round:
         if s.shares > 1 and s.recipe.turns is None:
             # Each share takes what one machine would: the slice grows with the machines.
             self.recipe = dataclasses.replace(self.recipe, turns=self.recipe.turns * s.shares)
-        (self.out / "recipe.json").write_text(json.dumps(as_record(self.recipe), indent=2))
+        corpus = len(self.local[0]) if self.local else None
+        chosen = student_choice(self.model, s.recipe.hours, corpus)
+        self.recipe_why = chosen_because(chosen, self.recipe)
+        self.write_recipe()
         self.hub = self.new_hub()
         if self.adapter == SERVING:
             self.adapter, self.record["serving"] = serving_start(self.hub)
@@ -409,7 +419,12 @@ class Round:
     def record_choices(self, choices: list[dict | None]) -> None:
         """What each trainer chose on its machine (precision, checkpointing, threads, and why),
         written into recipe.json beside the recipe, so two rounds stay comparable."""
-        recipe = {**as_record(self.recipe), "trainer_choices": choices}
+        self.write_recipe(trainer_choices=choices)
+
+    def write_recipe(self, **extra) -> None:
+        """recipe.json: the resolved recipe, why the student chose the values it chose, and
+        what is known so far of each trainer's own choices."""
+        recipe = {**as_record(self.recipe), "why": self.recipe_why, **extra}
         (self.out / "recipe.json").write_text(json.dumps(recipe, indent=2))
 
     def merge(self, trained: Trained) -> str:

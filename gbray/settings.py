@@ -15,6 +15,7 @@ from pathlib import Path
 
 from gbray.paired import FallRule
 from gbray.schedule import KINDS as SCHEDULES
+from gbray.short_round import Choice, Measured, short_round
 from gbray.validation import KEEP_BY
 
 
@@ -523,24 +524,44 @@ def from_args(cls, args: argparse.Namespace, hints: dict | None = None, **extra)
     return cls(**{**values, **extra})
 
 
-def student_hints(model: str | Path, hours: float | None = None) -> dict:
-    """Recipe settings a student built by gbray suggests for itself (student.json), if any: its
-    `recipe_hints`, then those of the first `recipe_hints_by_hours` entry [up to hours, hints]
-    that the round's hours fit (a 10-minute round wants another recipe than a night)."""
+def student_hints(model: str | Path, hours: float | None = None, corpus: int | None = None) -> dict:
+    """Recipe settings the student suggests for a round of `hours` (student.json): see
+    `student_choice`."""
+    return student_choice(model, hours, corpus).values
+
+
+def student_choice(
+    model: str | Path, hours: float | None = None, corpus: int | None = None
+) -> Choice:
+    """What a student built by gbray suggests for a round of `hours`, and why: a pretrained
+    student's short-round recipe from its measured speed (gbray.short_round), or the
+    `recipe_hints` the student carries, then those of the first `recipe_hints_by_hours` entry
+    [up to hours, hints] that the hours fit (a 10-minute round wants another recipe than a
+    night). `corpus`: the turns a slice can be drawn from, where known. Nothing for a model
+    folder gbray did not build."""
     import json
 
     path = Path(model) / "student.json"
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError):
-        return {}
-    hints = dict(record.get("recipe_hints", {}))
+        return Choice({}, {})
     hours = hours if hours is not None else Recipe.hours
+    if "measured" in record:
+        return short_round(Measured.of(record["measured"]), hours, corpus)
+    hints = dict(record.get("recipe_hints", {}))
     for up_to, more in record.get("recipe_hints_by_hours", []):
         if hours <= up_to:
             hints.update(more)
             break
-    return hints
+    return Choice(hints, {k: "the student's own recipe_hints (student.json)" for k in hints})
+
+
+def chosen_because(choice: Choice, recipe: Recipe) -> dict:
+    """Why each recipe value the student chose was taken: those a flag overrode are left out."""
+    return {
+        k: why for k, why in choice.why.items() if getattr(recipe, k, None) == choice.values.get(k)
+    }
 
 
 def as_record(obj) -> dict:

@@ -618,6 +618,29 @@ class Trainer:
         self.report(f"speed probe: {speed:.0f} turn-passes an hour on {self.threads} threads")
         return speed
 
+    def step_speed(self, turns: list[dict], per_step: int) -> float:
+        """Turn-passes an hour in whole steps as a round runs them: `per_step` turns a step, their
+        shared prompt prefix run once where that is on, the optimizer stepped; after one
+        warm-up step. What a student's short-round recipe is chosen from (gbray.short_round)."""
+        examples, _ = make_examples(
+            self.tokenizer, turns, self.recipe.max_len, self.recipe.answer_room
+        )
+        steps = [examples[i : i + per_step] for i in range(0, len(examples), per_step)]
+        if not steps:
+            return 0.0
+        state = TrainState()
+        timed = steps[1:] or steps
+        for i, step in enumerate([steps[0], *timed]):
+            if i == 1:
+                started = self.clock()
+            self.accumulate([[e] for e in step], state)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        seconds = self.clock() - started
+        speed = sum(len(s) for s in timed) * 3600 / max(seconds, 1e-6)
+        self.report(f"step speed: {speed:.0f} turn-passes an hour, {per_step} turns a step")
+        return speed
+
     def _order(self, n: int, epoch: int) -> list[int]:
         """The shuffled order of one epoch: seeded by the draw seed and the epoch, so a run that
         carries on after a crash goes through the same order from where it was."""

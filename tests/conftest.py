@@ -21,7 +21,7 @@ def raw_student(corpus, tmp_path_factory) -> Path:
     from gbray.student import StudentSettings, build_student
 
     out = tmp_path_factory.mktemp("student")
-    build_student(StudentSettings(data=corpus, out=out, pretrain_seconds=0, vocab=600))
+    build_student(StudentSettings(data=corpus, out=out, pretrain_steps=0, vocab=600))
     return out
 
 

@@ -211,3 +211,28 @@ def test_the_folded_dropout_computes_in_autocasts_dtype():
     a = next(m for m in model.modules() if type(m).__name__ == "DropoutLinear")
     assert a.weight.grad is not None and a.weight.grad.dtype == torch.float32
     assert torch.isfinite(a.weight.grad).all() and a.weight.grad.abs().sum() > 0
+
+
+def test_a_tiny_student_is_pretrained_a_set_number_of_steps_and_is_the_same_each_time(
+    corpus, tmp_path
+):
+    """Counted in steps, not seconds: two builds (one on one thread, one on two) are the same
+    student, whatever else the machine is doing."""
+    from safetensors.torch import load_file
+
+    from gbray.student import StudentSettings, build_student
+
+    records, weights = [], []
+    for threads in (1, 2):
+        out = tmp_path / f"s{threads}"
+        settings = StudentSettings(
+            data=corpus, out=out, vocab=600, pretrain_steps=3, threads=threads
+        )
+        records.append(build_student(settings))
+        weights.append(load_file(out / "model.safetensors"))
+    assert [r["pretraining"]["steps"] for r in records] == [3, 3]
+    assert StudentSettings(data=corpus, out=tmp_path).pretrain_steps == 450
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.allclose(weights[0][k], weights[1][k], atol=1e-4) for k in weights[0])
+    with pytest.raises(ValueError, match="--pretrain-steps"):
+        StudentSettings(data=corpus, out=tmp_path, pretrain_steps=-1).validate()

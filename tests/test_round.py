@@ -94,7 +94,8 @@ def test_round_json_is_complete(finished_round):
     assert on_disk["bad_lines"]["train"]["total"] == 2
     assert on_disk["result"]["per_tool"] and on_disk["baseline"]["per_tool"]
     assert on_disk["paper"]["turns"] == 100
-    assert json.loads((out / "recipe.json").read_text())["lr"] == 1e-3
+    recipe = json.loads((out / "recipe.json").read_text())
+    assert recipe["lr"] == 1e-3 and "student.json" in recipe["why"]["lr"]
     # The corpus's turns share their system prompt: every step ran it once.
     assert on_disk["choices"]["share_prefix"] is True
     assert (
