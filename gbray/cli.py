@@ -697,11 +697,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--hard",
         action="store_true",
-        help="turns no one field decides: the page offers about twenty tools, the task names a "
-        "way of working that two thirds of the tools suit, the history says which of the "
-        "page's suitable tools were used already (their cues still show); the right call is the "
-        "one left. Tools are drawn evenly; pages run longer than --prompt-tokens when their "
-        "cues and history need it",
+        help="turns no one field decides: the page lists about twenty tools' cues under three "
+        "headings, one per way of working; the task names a way; the history says which tools "
+        "under its heading were used already on this page (their cues still show); the right "
+        "call is the one left. The catalogue describes every tool's cues. Tools are drawn "
+        "evenly; pages run longer than --prompt-tokens when their cues and history need it",
     )
     p.add_argument(
         "--new-tools",

@@ -242,6 +242,8 @@ class Examiner:
         base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         base.set_attn_implementation(CASCADE)
         self.stop_ids = {self.tokenizer.eos_token_id, self.tokenizer.pad_token_id} - {None}
+        # What the last exam ran (read by benchmarks/exam_speed.py).
+        self.prefix_tokens, self.rows = 0, 0
 
     # -- generation -----------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from gbray.paired import FallRule
 from gbray.schedule import KINDS as SCHEDULES
-from gbray.short_round import Choice, Measured, short_round
+from gbray.short_round import VAL_TURNS, Choice, Measured, short_round
 from gbray.validation import KEEP_BY
 
 
@@ -65,7 +65,7 @@ class Recipe:
     max_len: int = setting(4096, "tokens per turn; longer prompts are fitted, never dropped")
     answer_room: int = setting(96, "answer tokens a fitted prompt always leaves room for")
     val_turns: int = setting(
-        64, "held-out turns for the validation loss", aliases=("--validate-turns",)
+        VAL_TURNS, "held-out turns for the validation loss", aliases=("--validate-turns",)
     )
     validate_every: float | None = setting(
         None,

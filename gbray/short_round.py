@@ -33,7 +33,7 @@ SHORT_LR, NIGHT_LR = 1e-3, 2e-4
 # Validation may take at most this share of the hours (each check is a forward over the
 # validation turns: about a third of a turn-pass each).
 VALIDATION_SHARE = 0.15
-VAL_TURNS = 64  # Recipe's default
+VAL_TURNS = 64  # held-out turns a round validates on (Recipe's default)
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,9 @@ job and the earlier observations are shared noise. Silver turns carry some wrong
 agent's own reports do. Jobs are cut whole into train or eval, never both.
 
 `hard` turns (`gbray synth --hard`) need the page, the task and the history together: the page
-offers many tools, the task's aim suits about half the tools, and the history says which of
-the page's suitable tools were already used (the page still shows them). See `make_hard_turn`.
+lists about twenty tools' cues under three headings, the task names the heading's way of working,
+and the history says which of the tools under it were already used (the page still shows them).
+See `make_hard_turn`.
 """
 
 from __future__ import annotations
@@ -526,32 +527,22 @@ def _turn(rng, settings, table, weights, job, system, user, index, n, topic) -> 
     }
 
 
-# Hard turns: each split sorts the tools in three thirds, one per way of doing a task; a task
-# names one way, and the tools of the other two thirds suit it (a tool of its third never does).
-# A tool's third in each split is its code.
-AIMS = (
+# Hard turns: a task names one of a split's three ways of doing it, and the page's elements sit
+# under three headings, one per way of that split.
+WAYS = (
     ("and keep a copy for later", "without keeping anything", "and pass it on"),
     ("for the whole team", "just for yourself", "for a client"),
     ("before the deadline today", "whenever there is time", "within the hour"),
     ("with the exact figures", "in plain words", "with pictures"),
 )
-
-
-def aim_codes(tools: int, rng: random.Random) -> list[list[int]]:
-    """Per split, each tool's third (0, 1 or 2): every split cuts the tools in thirds."""
-    codes = []
-    for _ in AIMS:
-        thirds = [i % 3 for i in range(tools)]
-        rng.shuffle(thirds)
-        codes.append(thirds)
-    return codes
-
-
-def hard_answer(offered: set[str], used: set[str], way: tuple[int, int], codes, names) -> set[str]:
-    """The tools a hard turn's fields allow: offered on the page, suiting the task's way (not of
-    its third in its split) and not used on this page yet. One, on every gold turn."""
-    split, third = way
-    return {n for i, n in enumerate(names) if n in offered - used and codes[split][i] != third}
+HARD_SECTION = (7, 8)  # tools under each heading: three headings offer 21 to 24 of the 40
+# A real agent's prompt states its rules; the student still has to apply them.
+HARD_RULES = (
+    "\nRules: a page lists its elements in sections, one for each way of working. Use the "
+    "section of the way the task names. A tool the earlier observations used on this page is "
+    "done, though its element still shows. Call the one tool left in that section, with its "
+    "element's number."
+)
 
 
 def _labels(table, weights) -> list:
@@ -559,63 +550,70 @@ def _labels(table, weights) -> list:
     return [row for row, w in zip(table, weights, strict=True) if w > 0] if 0 in weights else table
 
 
-def make_hard_turn(rng, settings, wording, table, weights, codes, system, job, topic) -> dict:
-    """A turn no one field decides. The task names a way of doing it (a third of one split);
-    the page offers the target, tools that suit the way but the history says were already used
-    on this page (their cues still show: a banner closed, a dialog dismissed), and tools of the
-    way's third, some of them used too; each offered tool's cue is one of its signature
-    elements, listed in any order, a quarter of them also named in the page's text. The history
-    also holds earlier pages' steps. So the right call is the offered tool that suits the way
-    and was not used yet (`hard_answer`); each field alone leaves about twenty tools open, and
-    the tools the page offers are about as likely to suit the way as not."""
+def make_hard_turn(rng, settings, wording, table, weights, system, job, topic) -> dict:
+    """A turn no one field decides. The task names a way of doing it; the page lists its
+    elements under three headings, one per way of the task's split, each heading over seven or
+    eight tools' cues (one signature element each, in any order); the history says which of
+    them were already used on this page, by name and element number (their cues still show: a
+    banner closed, a dialog dismissed), among steps on earlier pages. Under the task's heading
+    every tool but the target was used (the near misses); under the others some were and some
+    were not. So the page alone leaves about 22 tools open, the task alone all 40, the history
+    alone about 27; the right call is the one tool under the task's heading not used yet. Which
+    tools a page shows, and under which heading, is drawn afresh for each turn: nothing is to be
+    remembered but which cues are which tool's."""
     n_tools = len(table)
-    target = (
-        rng.choices(range(n_tools), weights=weights)[0]
-        if settings.new_tools
-        else rng.randrange(n_tools)
-    )
-    split = rng.randrange(len(AIMS))
-    third = rng.choice([k for k in range(3) if k != codes[split][target]])
-    suits = [i for i in range(n_tools) if codes[split][i] != third and i != target]
-    never = [i for i in range(n_tools) if codes[split][i] == third]
-    rng.shuffle(suits)
-    rng.shuffle(never)
-    n_used_never, n_open_never = rng.randint(1, 3), rng.randint(4, 6)
-    used = suits[: rng.randint(11, 15)] + never[:n_used_never]
-    offered = [target, *used, *never[3 : 3 + n_open_never]]
-    # Earlier pages' steps name tools not used here, the target half the time (as often as the
-    # history names any other tool): a tool is spent only on the page it was used on.
-    earlier = rng.sample([i for i in range(n_tools) if i not in (*used, target)], rng.randint(3, 6))
-    if rng.random() < 0.5:
-        earlier.append(target)
-    history = [f"- {table[i][0]}: used on this page, {rng.choice(FILLER)}" for i in used]
-    history += [f"- {table[i][0]}: on an earlier page, {rng.choice(FILLER)}" for i in earlier]
+    target = rng.choices(range(n_tools), weights=weights)[0]
+    split, way = rng.randrange(len(WAYS)), rng.randrange(3)
+    others = [i for i in range(n_tools) if i != target]
+    rng.shuffle(others)
+    sizes = [rng.randint(*HARD_SECTION) for _ in range(3)]
+    sections, used, at = [], [], 0
+    for k, size in enumerate(sizes):
+        if k == way:
+            tools = [target, *others[at : at + size - 1]]
+            used += tools[1:]
+            at += size - 1
+        else:
+            tools = others[at : at + size]
+            used += tools[: rng.randint(2, size - 3)]
+            at += size
+        sections.append(tools)
+    # Earlier pages' steps name tools not used on this one, the target as often as any other:
+    # a tool is spent only on the page it was used on.
+    unused = [i for i in range(n_tools) if i not in used]
+    earlier = rng.sample(unused, rng.randint(2, 5))
+    cues = {i: rng.choice(table[i][3]) for tools in sections for i in tools}
+    generic = rng.sample(GENERIC_ELEMENTS, 6)
+    elements = []
+    for k, tools in enumerate(sections):
+        block = [cues[i] for i in tools] + generic[2 * k : 2 * k + rng.randint(0, 1)]
+        rng.shuffle(block)
+        elements.append([f'section "{WAYS[split][k].capitalize()}"', *block])
+    order = list(range(3))
+    rng.shuffle(order)
+    listed = [e for k in order for e in elements[k]]
+    number = {e: n + 1 for n, e in enumerate(listed)}
+    history = [f"- {table[i][0]} [{number[cues[i]]}]: used on this page" for i in used]
+    history += [f"- {table[i][0]}: used on an earlier page" for i in earlier]
     rng.shuffle(history)
-    way = AIMS[split][third]
+    phrase = WAYS[split][way]
     head = (
-        f"{wording.job} {job}: find out about {topic}, {way}."
+        f"{wording.job} {job}: find out about {topic}, {phrase}."
         if rng.random() < 0.5
-        else f"{wording.job} {job}: {way}, find out about {topic}."
+        else f"{wording.job} {job}: {phrase}, find out about {topic}."
     )
-    cues = {i: rng.choice(table[i][3]) for i in offered}
-    elements = [cues[i] for i in offered] + rng.sample(GENERIC_ELEMENTS, rng.randint(2, 5))
-    rng.shuffle(elements)
-    number = {e: k + 1 for k, e in enumerate(elements)}
-    fixed = len(system) + len(head) + sum(len(h) + 1 for h in history) + 260
-    fixed += sum(len(e) + 6 for e in elements)
+    fixed = len(head) + sum(len(h) + 1 for h in history) + sum(len(e) + 6 for e in listed) + 260
     text: list[str] = []
     size, wanted = 0, max(0, settings.prompt_tokens * 3.6 - fixed)
     while size < wanted:
         line = f"{rng.choice(FILLER).capitalize()} on {topic}, {rng.choice(FILLER)}."
         text.append(line)
         size += len(line) + 1
-    for i in rng.sample(offered, len(offered) // 4):
-        text.insert(rng.randint(0, len(text)), f"The page shows {cues[i]}.")
     site = rng.choice(SITES)
     page = [
         wording.page, f"URL: https://{site}/{topic.replace(' ', '-')}/{rng.randint(10, 9999)}",
         f"{wording.title} {topic.title()} | {site}", *text, wording.elements,
-        *(f"[{k + 1}] {e}" for k, e in enumerate(elements)),
+        *(f"[{n + 1}] {e}" for n, e in enumerate(listed)),
     ]  # fmt: skip
     user = "\n\n".join([head, "\n".join([wording.history, *history]), "\n".join(page)])
     return _turn(rng, settings, table, weights, job, system, user, target,
@@ -643,18 +641,13 @@ def part_weights(shares: list[float], new: set[int], part: str) -> list[float]:
     return [s * scale if i in new else s for i, s in enumerate(shares)]
 
 
-def described_catalogue(wording: Wording, table, codes) -> str:
-    """Every tool with what tells its turns (a corpus with tools never trained on needs it to
-    name them): its kind of page and cues, and, for hard turns, the ways of working it never
-    suits."""
+def described_catalogue(wording: Wording, table) -> str:
+    """Every tool with what tells its turns: its kind of page and its cues. A corpus with tools
+    never trained on needs it to name them, and a hard page's cues are read through it."""
     lines = [wording.intro, "Tools:"]
-    for i, (name, _, kind, signature) in enumerate(table):
+    for name, _, kind, signature in table:
         shows = ", ".join(signature[:-1]) + f" or {signature[-1]}"
-        line = f"- {name}: for {kind} pages, which show {shows}"
-        if codes:
-            never = ", ".join(f"'{AIMS[s][codes[s][i]]}'" for s in range(len(AIMS)))
-            line += f"; never for tasks {never}"
-        lines.append(line)
+        lines.append(f"- {name}: for {kind} pages, which show {shows}")
     return "\n".join(lines)
 
 
@@ -665,15 +658,14 @@ def write_corpus(settings: SynthSettings) -> dict:
     wording = WORDINGS[settings.wording]
     table = tool_table(settings, rng)
     shares = [1.0] * len(table) if settings.hard else [share for _, share, _, _ in table]
-    codes = aim_codes(len(table), random.Random(settings.seed + 2)) if settings.hard else None
     new = new_tool_indices(len(table), settings.new_tools, settings.seed)
     weights = {part: part_weights(shares, new, part) for part in ("eval", "train")}
     if settings.system_tokens:
         system = long_catalogue(
             wording, table, settings.system_tokens, random.Random(settings.seed + 1)
         )
-    elif new:
-        system = described_catalogue(wording, table, codes)
+    elif new or settings.hard:
+        system = described_catalogue(wording, table) + (HARD_RULES if settings.hard else "")
     else:
         system = catalogue(wording, table, with_descriptions=settings.prompt_tokens >= 1200)
     settings.out.mkdir(parents=True, exist_ok=True)
@@ -688,10 +680,8 @@ def write_corpus(settings: SynthSettings) -> dict:
                 topic = rng.choice(TOPICS)
                 for _ in range(min(rng.randint(3, 10), want - written)):
                     w = weights[name]
-                    if codes:
-                        turn = make_hard_turn(
-                            rng, settings, wording, table, w, codes, system, job, topic
-                        )
+                    if settings.hard:
+                        turn = make_hard_turn(rng, settings, wording, table, w, system, job, topic)
                     else:
                         turn = make_turn(rng, settings, wording, table, w, system, job, topic)
                     f.write(json.dumps(turn, ensure_ascii=False) + "\n")
