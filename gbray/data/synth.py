@@ -457,6 +457,17 @@ def _answer(tool: str, index: int, n: int, topic: str) -> str:
     return json.dumps({"tool": tool, "args": args}, separators=(",", ":"))
 
 
+def _filler(rng, topic: str, chars: float) -> list[str]:
+    """Lines of the page's text that tell nothing, about `chars` characters of them."""
+    text: list[str] = []
+    size = 0
+    while size < chars:
+        line = f"{rng.choice(FILLER).capitalize()} on {topic}, {rng.choice(FILLER)}."
+        text.append(line)
+        size += len(line) + 1
+    return text
+
+
 def _page(rng, wording, table, index, topic, chars_wanted, generic_title_share):
     _, _, kind, signature = table[index]
     site = rng.choice(SITES)
@@ -468,12 +479,7 @@ def _page(rng, wording, table, index, topic, chars_wanted, generic_title_share):
     rng.shuffle(elements)
     numbered = [f"[{i + 1}] {e}" for i, e in enumerate(elements)]
     signature_at = next(i + 1 for i, e in enumerate(elements) if e in signature)
-    text: list[str] = []
-    size = 0
-    while size < chars_wanted:
-        line = f"{rng.choice(FILLER).capitalize()} on {topic}, {rng.choice(FILLER)}."
-        text.append(line)
-        size += len(line) + 1
+    text = _filler(rng, topic, chars_wanted)
     lines = [
         wording.page,
         f"URL: https://{site}/{kind.replace(' ', '-')}/{rng.randint(10, 9999)}",
@@ -603,12 +609,7 @@ def make_hard_turn(rng, settings, wording, table, weights, system, job, topic) -
         else f"{wording.job} {job}: {phrase}, find out about {topic}."
     )
     fixed = len(head) + sum(len(h) + 1 for h in history) + sum(len(e) + 6 for e in listed) + 260
-    text: list[str] = []
-    size, wanted = 0, max(0, settings.prompt_tokens * 3.6 - fixed)
-    while size < wanted:
-        line = f"{rng.choice(FILLER).capitalize()} on {topic}, {rng.choice(FILLER)}."
-        text.append(line)
-        size += len(line) + 1
+    text = _filler(rng, topic, max(0, settings.prompt_tokens * 3.6 - fixed))
     site = rng.choice(SITES)
     page = [
         wording.page, f"URL: https://{site}/{topic.replace(' ', '-')}/{rng.randint(10, 9999)}",
