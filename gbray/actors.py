@@ -176,18 +176,9 @@ class AveragerActor:
 
     def save(self, template: str, out: str) -> dict:
         """The global adapter written to `out` (on the driver's machine); what round.json keeps."""
-        from gbray.averaging import save_global
+        from gbray.averaging import save_merged
 
-        weights, syncs, members = self.averager.result()
-        save_global(weights, Path(template), Path(out))
-        return {
-            "folder": out,
-            "outer_lr": self.averager.outer_lr,
-            "outer_momentum": self.averager.outer_momentum,
-            "every_turns": self.every,
-            "syncs": syncs,
-            "members": members,
-        }
+        return save_merged(self.averager, self.every, Path(template), Path(out))
 
 
 # An exam is pure, so a lost examiner (its machine gone before or while it ran) is started
@@ -298,6 +289,9 @@ class RayHub:
 
     def note(self, line: str) -> None:
         self.actor.note.remote(line)
+
+    def check(self, point: dict) -> bool:
+        return ray.get(self.actor.check.remote(point))
 
     def stopped(self) -> bool:
         return ray.get(self.actor.stopped.remote())

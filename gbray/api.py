@@ -84,11 +84,12 @@ class Promotion:
     refused: str | None  # the reason, starting with its rule (`beat its baseline:`, ...)
 
 
-def night(settings: RoundSettings) -> Night:
-    """One night (a round, or `settings.shares` shares and their merge) from start to report."""
+def night(settings: RoundSettings, cluster=None) -> Night:
+    """One night (a round, or `settings.shares` shares and their merge) from start to report.
+    `cluster`: where it runs (default Ray's; `gbray.local_cluster.LocalCluster()`: this process)."""
     from gbray.round import run_round
 
-    return Night.of(run_round(settings), Path(settings.out))
+    return Night.of(run_round(settings, cluster), Path(settings.out))
 
 
 def trial(settings: RoundSettings) -> Trial:

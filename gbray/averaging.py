@@ -179,6 +179,26 @@ class Averager:
         member.syncs += 1
 
 
+class LocalLink:
+    """A share's side of the averaging when the averager is in its own process (the trainer's
+    `sync`; gbray.actors.AveragerLink is the same over Ray): a sync every `every_turns` turns."""
+
+    def __init__(self, averager: Averager, index: int, every_turns: float):
+        self.averager, self.index, self.every_turns = averager, index, every_turns
+
+    def join(self, weights: dict) -> dict:
+        return self.averager.join(self.index, weights)
+
+    def due(self, turns_since: int) -> bool:
+        return turns_since >= self.every_turns
+
+    def exchange(self, weights: dict, turns: int) -> dict:
+        return self.averager.exchange(self.index, weights, turns)
+
+    def leave(self, weights: dict | None, turns: int) -> None:
+        self.averager.leave(self.index, weights, turns)
+
+
 def save_global(weights: dict, template: Path, out: Path) -> None:
     """The global adapter as a PEFT folder: a share's adapter config, the global's weights."""
     from safetensors.torch import save_file
@@ -186,3 +206,17 @@ def save_global(weights: dict, template: Path, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     shutil.copy2(template / "adapter_config.json", out / "adapter_config.json")
     save_file({k: v.contiguous() for k, v in weights.items()}, out / "adapter_model.safetensors")
+
+
+def save_merged(averager: Averager, every_turns: float, template: Path, out: Path) -> dict:
+    """The night's global adapter written to `out`; what round.json keeps of the averaging."""
+    weights, syncs, members = averager.result()
+    save_global(weights, template, out)
+    return {
+        "folder": str(out),
+        "outer_lr": averager.outer_lr,
+        "outer_momentum": averager.outer_momentum,
+        "every_turns": every_turns,
+        "syncs": syncs,
+        "members": members,
+    }

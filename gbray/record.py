@@ -1,13 +1,22 @@
-"""round.json and what the hub is told at a round's end, shaped from the steps' typed results."""
+"""round.json and what the hub is told at a round's end, shaped from the steps' typed results.
+
+`RoundRecord` is round.json's one schema: the round sets its fields as its steps end and writes
+it whole each time; `as_json` is the file (its names are what users' scripts and the field's
+tools read: `turn_passes`, `share_reports`, ...)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gbray.paired import FallRule, comparison
 from gbray.results import ExamResult, TrainSummary
+
+if TYPE_CHECKING:
+    from gbray.shares import Trained
 
 TRAINING_FIELDS = (
     "steps", "planned_steps", "replanned_from", "best_val_loss", "best_step", "checks",
@@ -15,6 +24,129 @@ TRAINING_FIELDS = (
     "turns_per_hour", "resumed_from_step", "choices", "averaged", "shared_prefix_steps",
     "spared_tokens_share", "best_val_agreement", "val_turns", "schedule",
 )  # fmt: skip
+
+
+@dataclass
+class RoundRecord:
+    """What a round is and what each of its steps gave. A section is in round.json once its step
+    has happened: no `exam_pids` before an exam, no training figures without training, no
+    `merge` without a merge."""
+
+    round: str
+    status: str = "starting"  # running, done, stopped or failed
+    why: str | None = None  # the round's own reason; a done round's is its training's
+    # Where it runs and on what, set when it registers.
+    hub: str | None = None
+    hub_round: str | None = None
+    device: str | None = None
+    device_name: str | None = None
+    student: str | None = None
+    student_name: str | None = None
+    carried_from: str | None = None  # the adapter setting as given
+    start: str = "bare"
+    serving: dict | None = None  # what the hub served, for a `hub:serving` start
+    draw_seed: int | None = None
+    recipe: dict | None = None
+    measure_only: bool = False
+    skip_baseline: bool = False
+    shares: int = 1
+    paper: dict | None = None
+    slice_turns: int | None = None
+    val_turns: int | None = None
+    bad_lines: object = None
+    driver: dict | None = None
+    progress_log: str | None = None
+    registered: bool = False
+    # The steps.
+    baseline: ExamResult | None = None
+    result: ExamResult | None = None
+    exam_errors: dict[str, str] = field(default_factory=dict)  # by exam: why it failed
+    exam_pids: list[int] = field(default_factory=list)
+    trainer_process: dict | None = None
+    training: TrainSummary | None = None  # one trainer's
+    trained: Trained | None = None  # shares'
+    merge: dict | None = None
+    adapter: str | None = None  # what the result exam took
+    adapter_last: str | None = None  # a failed round's last checkpoint
+    kept: dict | None = None  # what a stopped round had kept
+    # The report.
+    reported: bool = False
+    beat: bool = False
+    new_tools: dict | None = None
+    comparison: dict | None = None
+    minutes: float | None = None
+    hub_adapter: str | None = None
+    hub_ended: bool | None = None
+
+    @property
+    def turns_trained(self) -> int:
+        if self.trained is not None:
+            return self.trained.turns_trained
+        return self.training.turns_trained if self.training else 0
+
+    def error(self, what: str) -> str | None:
+        return self.exam_errors.get(what)
+
+    def as_json(self) -> dict:
+        out: dict = {"round": self.round, "status": self.status}
+        if self.registered:
+            out.update(
+                {
+                    k: getattr(self, k)
+                    for k in (
+                        "hub",
+                        "hub_round",
+                        "device",
+                        "device_name",
+                        "student",
+                        "student_name",
+                        "carried_from",
+                        "start",
+                        "serving",
+                        "draw_seed",
+                        "recipe",
+                        "measure_only",
+                        "skip_baseline",
+                        "shares",
+                        "paper",
+                        "slice_turns",
+                        "val_turns",
+                        "bad_lines",
+                        "driver",
+                        "progress_log",
+                    )
+                }  # fmt: skip
+            )
+        elif self.serving is not None:
+            out["serving"] = self.serving
+        out.update(baseline=exam_record(self.baseline), result=exam_record(self.result))
+        out.update({f"{what}_error": why for what, why in self.exam_errors.items()})
+        if self.exam_pids:
+            out["exam_pids"] = self.exam_pids
+        if self.trainer_process is not None:
+            out["trainer_process"] = self.trainer_process
+        if self.training is not None:
+            out.update(training_record(self.training))
+        if self.trained is not None:
+            out.update(shares_record(self.trained))
+        if self.merge is not None:
+            out["merge"] = self.merge
+        if self.adapter is not None:
+            out["adapter"] = self.adapter
+        if self.why is not None:
+            out["why"] = self.why
+        if self.kept is not None or self.status == "stopped":
+            out["kept"] = self.kept
+        if self.reported:
+            out.update(
+                beat=self.beat, new_tools=self.new_tools, comparison=self.comparison,
+                minutes=self.minutes,
+            )  # fmt: skip
+            if self.status == "failed":
+                out.setdefault("adapter_last", self.adapter_last)
+        if self.hub_ended is not None:
+            out.update(hub_adapter=self.hub_adapter, hub_ended=self.hub_ended)
+        return out
 
 
 def exam_record(exam: ExamResult | None) -> dict | None:

@@ -93,6 +93,10 @@ class TrainSummary:
     schedule: dict | None = None
 
 
+class Stopped(Exception):
+    """The owner asked the round to stop."""
+
+
 class ExamStopped(Exception):
     """The owner asked the round to stop during this exam: there is no result (a partial exam is
     never one)."""

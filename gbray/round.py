@@ -1,9 +1,10 @@
 """One round's backbone (SPEC §4): work, baseline, train (one share or N), merge, exam, report.
 Then stop; promotion is not the round's business.
 
-The driver stays light (no torch): trainers run in their own actors, every exam in a fresh
-examiner actor that is killed when its exam is done, so an exam never shares a process or an
-allocator with training. Where things run is `placement`; shares are `shares`; the work is
+The driver stays light (no torch): where training, exams and the merge run is the round's
+`Cluster` (gbray.ray_cluster on Ray: trainers in their own actors, every exam in a fresh
+examiner actor killed when its exam is done, so an exam never shares a process or an allocator
+with training; gbray.local_cluster: all in this process). Shares are `shares`; the work is
 `work`; the record is `record`.
 """
 
@@ -18,30 +19,23 @@ import time
 from pathlib import Path
 
 from gbray import record as rec
+from gbray.cluster import Cluster, Exam
 from gbray.data.turns import DataError, index_folder
 from gbray.hub.client import Hub, NoHub
 from gbray.paired import Paired, fallen_name
-from gbray.placement import (
-    ExamLaunch,
-    Stopped,
-    actor_cpus,
-    device_of,
-    get_or_stopped,
-    launch_trainer,
-    merge_task,
-    start_ray,
-)
 from gbray.platform import process_record
-from gbray.results import ExamResult
+from gbray.ray_cluster import RayCluster
+from gbray.results import ExamResult, Stopped
 from gbray.settings import (
     RoundSettings,
+    TrainerJob,
     as_record,
     average_every_seconds,
     chosen_because,
     locate_model,
     student_choice,
 )
-from gbray.shares import Share, ShareNight, Trained, train_shares
+from gbray.shares import Share, ShareNight, Trained
 from gbray.work import Work, get_work
 
 log = logging.getLogger(__name__)
@@ -85,16 +79,17 @@ class Baseline:
     """The start's score: known now, being measured beside training, or to be read at the end."""
 
     known: ExamResult | None = None
-    running: ExamLaunch | None = None
+    running: Exam | None = None
     deferred: bool = False
 
 
 class Round:
     """One round's state and its steps; `run()` is the backbone, top to bottom."""
 
-    def __init__(self, settings: RoundSettings):
+    def __init__(self, settings: RoundSettings, cluster: Cluster | None = None):
         settings.validate()
         self.settings = settings
+        self.given_cluster = cluster  # None: Ray's (a local Ray, or the one at --address)
         # The student is found (or refused) before anything starts.
         model_dir, self.student_id = locate_model(settings.model)
         self.model = str(model_dir)
@@ -102,7 +97,7 @@ class Round:
         self.out = Path(settings.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.log_path = self.out / "progress.log"
-        self.record: dict = {"round": new_round_id(), "status": "starting"}
+        self.record = rec.RoundRecord(new_round_id())
         # `merge:A,B,...` (the field's syntax): join those adapters, train nothing, examine once.
         spec = settings.adapter or ""
         self.merge_inputs = spec[len("merge:") :].split(",") if spec.startswith("merge:") else []
@@ -117,22 +112,23 @@ class Round:
         try:
             start = self.start_adapter()
             baseline = self.baseline(work, start)
-            self.record["baseline"] = baseline.known
+            self.record.baseline = baseline.known
             if not self.settings.measure_only:
                 trained = self.train(work, start)
                 adapter = self.merge(trained)
-                self.record["result"] = self.exam(adapter, work, "result")
+                self.record.result = self.exam(adapter, work, "result")
                 self.examine_shares(trained, work)
             self.settle(baseline, work, start)
         except Stopped as e:
             self.note(str(e))
-            self.record.update(status="stopped", why=str(e), kept=self.kept_so_far())
+            self.record.status, self.record.why = "stopped", str(e)
+            self.record.kept = self.kept_so_far()
         except Exception as e:
-            self.record.update(status="failed", why=f"{type(e).__name__}: {e}")
+            self.record.status, self.record.why = "failed", f"{type(e).__name__}: {e}"
             raise
         finally:
             self.report(work, adapter)
-        return self.record
+        return self.record.as_json()
 
     # -- setup ----------------------------------------------------------------------------------
 
@@ -140,11 +136,8 @@ class Round:
         s = self.settings
         # Bad data ends the round before anything starts: indexing reads raw lines only.
         self.local = index_folder(Path(s.data)) if s.data else None
-        seed = s.recipe.resolve("cpu").seed
-        self.ray = ray = start_ray(s.address)
-        self.recipe = dataclasses.replace(
-            s.recipe.resolve(device_of(ray, s.recipe)), seed=seed, threads=actor_cpus(ray, s.recipe)
-        )
+        self.cluster = self.given_cluster or RayCluster(s.address)
+        self.recipe = self.cluster.resolve(s.recipe)
         if s.shares > 1 and s.recipe.turns is None:
             # Each share takes what one machine would: the slice grows with the machines.
             self.recipe = dataclasses.replace(self.recipe, turns=self.recipe.turns * s.shares)
@@ -154,7 +147,7 @@ class Round:
         self.write_recipe()
         self.hub = self.new_hub()
         if self.adapter == SERVING:
-            self.adapter, self.record["serving"] = serving_start(self.hub)
+            self.adapter, self.record.serving = serving_start(self.hub)
             self.start = start_name(self.adapter)
             log.info("hub:serving is %s", self.start)
 
@@ -163,10 +156,10 @@ class Round:
         s = self.settings
         if not s.hub:
             return NoHub()
-        from gbray.actors import RayHub
-
         ca = str(s.ca) if s.ca else None
-        return RayHub({"url": s.hub, "token": s.token, "device": self.device_name(), "ca": ca})
+        return self.cluster.hub(
+            {"url": s.hub, "token": s.token, "device": self.device_name(), "ca": ca}
+        )
 
     def device_name(self) -> str:
         import socket
@@ -178,7 +171,7 @@ class Round:
         self.hub.note(line)
 
     def write(self) -> None:
-        rec.write(self.out, self.record)
+        rec.write(self.out, self.record.as_json())
 
     # -- steps ----------------------------------------------------------------------------------
 
@@ -203,32 +196,29 @@ class Round:
         if s.shares > 1:
             extra["merge_of"] = s.shares
         hub_round = self.hub.register(self.student_id, len(work.train), self.hub_recipe(**extra))
-        self.record.update(
-            {
-                "hub": s.hub,
-                "hub_round": hub_round,
-                "device": recipe.device,
-                "device_name": self.device_name(),
-                "student": self.model,
-                "student_name": self.student_id,
-                "carried_from": s.adapter,
-                "start": self.start,
-                "serving": self.record.get("serving"),
-                "draw_seed": recipe.seed,
-                "recipe": as_record(recipe),
-                "measure_only": s.measure_only,
-                "skip_baseline": s.skip_baseline,
-                "shares": s.shares,
-                "paper": work.paper_record,
-                "slice_turns": len(work.train),
-                "val_turns": len(work.val),
-                "bad_lines": work.bad_lines,
-                "driver": process_record(),
-                "progress_log": str(self.log_path),
-                "status": "running",
-                "baseline": None,
-                "result": None,
-            }
+        self.record = dataclasses.replace(
+            self.record,
+            status="running",
+            registered=True,
+            hub=s.hub,
+            hub_round=hub_round,
+            device=recipe.device,
+            device_name=self.device_name(),
+            student=self.model,
+            student_name=self.student_id,
+            carried_from=s.adapter,
+            start=self.start,
+            draw_seed=recipe.seed,
+            recipe=as_record(recipe),
+            measure_only=s.measure_only,
+            skip_baseline=s.skip_baseline,
+            shares=s.shares,
+            paper=work.paper_record,
+            slice_turns=len(work.train),
+            val_turns=len(work.val),
+            bad_lines=work.bad_lines,
+            driver=process_record(),
+            progress_log=str(self.log_path),
         )
         self.write()
 
@@ -252,7 +242,7 @@ class Round:
             ]
             starts = {self.start_recorded(f) for f in self.merge_folders}
             self.start = starts.pop() if len(starts) == 1 and None not in starts else "bare"
-            self.record["start"] = self.start
+            self.record.start = self.start
             return None if self.start == "bare" else self.fetch(self.start, self.out / "start")
         return self.fetch(self.adapter, self.out / "start") if self.adapter else None
 
@@ -317,19 +307,18 @@ class Round:
         return Baseline(known=self.measure(start, work))
 
     def room_beside_shares(self) -> bool:
-        free = self.ray.available_resources().get("CPU", 0)
-        return free >= self.recipe.threads * (self.settings.shares + 1)
+        return self.cluster.room_for(self.settings.shares + 1, self.recipe.threads)
 
-    def launch_exam(self, adapter: str | None, work: Work, what: str) -> ExamLaunch:
+    def launch_exam(self, adapter: str | None, work: Work, what: str) -> Exam:
         self.note(
             f"{what} exam: {len(work.paper)} turns of paper {work.paper_id}, answer budget "
             f"{self.recipe.answer_budget}"
         )
-        return ExamLaunch(
-            self.ray, self.model, adapter, self.recipe, work.paper, self.log_path, self.hub
+        return self.cluster.exam(
+            self.model, adapter, self.recipe, work.paper, self.log_path, self.hub
         )
 
-    def finish_exam(self, launch: ExamLaunch, what: str) -> ExamResult | None:
+    def finish_exam(self, launch: Exam, what: str) -> ExamResult | None:
         try:
             result = launch.result(self.hub, what)
         except Stopped:
@@ -338,9 +327,9 @@ class Round:
             reason = " · ".join(x.strip() for x in str(e).strip().splitlines() if x.strip())
             reason = reason[:600] or type(e).__name__
             log.error("%s exam failed: %s", what, reason)
-            self.record[f"{what}_error"] = reason
+            self.record.exam_errors[what] = reason
             return None
-        self.record.setdefault("exam_pids", []).append(result.pid)
+        self.record.exam_pids.append(result.pid)
         self.note(f"{what}: {result.agreement_pct:.1f}% agreement ({result.right}/{result.turns})")
         return result
 
@@ -348,7 +337,7 @@ class Round:
         return self.finish_exam(self.launch_exam(adapter, work, what), what)
 
     def measure(
-        self, start: str | None, work: Work, launch: ExamLaunch | None = None
+        self, start: str | None, work: Work, launch: Exam | None = None
     ) -> ExamResult | None:
         # A freshly wrapped LoRA equals the bare start, so the baseline needs no trained model.
         baseline = self.finish_exam(launch or self.launch_exam(start, work, "baseline"), "baseline")
@@ -365,24 +354,12 @@ class Round:
             return Trained(shares)
         if self.settings.shares > 1:
             return self.train_shares(work, start)
-        trainer = launch_trainer(
-            self.ray, self.model, start, self.recipe, self.out, self.log_path, self.hub,
-            self.start, self.record["round"],
-        )  # fmt: skip
-        try:
-            self.record["trainer_process"] = self.ray.get(trainer.process.remote())
-            summary = get_or_stopped(
-                self.ray,
-                trainer.train.remote(self.ray.put(work.train), work.val),
-                self.hub,
-                "training",
-            )
-        finally:
-            # Free its CPUs (and memory) for the examiner; everything it made is on disk.
-            self.ray.kill(trainer, no_restart=True)
+        summary, self.record.trainer_process = self.cluster.train(
+            self.job(start), work.train, work.val, self.hub
+        )
         if summary.why == "stopped":
             raise Stopped("stopped by the owner during training")
-        self.record.update(rec.training_record(summary))
+        self.record.training = summary
         self.write()
         self.record_choices([summary.choices])
         share = Share(0, turns=len(work.train), out=str(self.out))
@@ -392,16 +369,10 @@ class Round:
     def train_shares(self, work: Work, start: str | None) -> Trained:
         s = self.settings
         night = ShareNight(
-            ray=self.ray,
-            model=self.model,
-            start=start,
-            start_name=self.start,
-            recipe=self.recipe,
-            out=self.out,
+            job=self.job(start),
             new_hub=self.new_hub,
-            hub_recipe=self.hub_recipe(share_of=self.record.get("hub_round")),
+            hub_recipe=self.hub_recipe(share_of=self.record.hub_round),
             student_id=self.student_id,
-            run_id=self.record["round"],
             grace_seconds=s.share_grace,
             average_every_seconds=average_every_seconds(s),
             outer_lr=s.outer_lr,
@@ -409,12 +380,17 @@ class Round:
             joins=s.share_joins,
             options=list(s.share_options),
         )
-        trained = train_shares(night, s.shares, work.train, work.val, self.hub, self.note)
-        self.record.update(rec.shares_record(trained))
+        trained = self.cluster.train_shares(
+            night, s.shares, work.train, work.val, self.hub, self.note
+        )
+        self.record.trained = trained
         self.write()
         self.record_choices([x.summary.choices if x.summary else None for x in trained.shares])
         check_survivors(trained)
         return trained
+
+    def job(self, start: str | None) -> TrainerJob:
+        return TrainerJob(self.model, start, self.start, self.recipe, self.out, self.record.round)
 
     def record_choices(self, choices: list[dict | None]) -> None:
         """What each trainer chose on its machine (precision, checkpointing, threads, and why),
@@ -441,24 +417,21 @@ class Round:
                 f"merged {len(survivors)} shares: the averager's global adapter after "
                 f"{len(m['syncs'])} syncs (outer lr {m['outer_lr']}, momentum {m['outer_momentum']})"
             )
-            self.record.update(merge={"method": "outer", **m}, adapter=m["folder"])
+            self.record.merge, self.record.adapter = {"method": "outer", **m}, m["folder"]
             self.write()
             return m["folder"]
         if plan == "one":
-            self.record["adapter"] = survivors[0].adapter
+            self.record.adapter = survivors[0].adapter
             return survivors[0].adapter
         out = self.out / "merged"
-        task = self.ray.remote(num_cpus=1)(merge_task)
-        report = self.ray.get(
-            task.remote(
-                [s.adapter for s in survivors], str(out), plan, [s.weight for s in survivors]
-            )  # fmt: skip
+        report = self.cluster.merge(
+            [s.adapter for s in survivors], out, plan, [s.weight for s in survivors]
         )
         self.note(
             f"merged {len(survivors)} shares ({report['method']}, rank {report['rank']}, "
             f"weights {report['weights']}, residual {report['residual_max']:.2e})"
         )
-        self.record.update(merge=report, adapter=str(out))
+        self.record.merge, self.record.adapter = report, str(out)
         self.write()
         return str(out)
 
@@ -468,7 +441,6 @@ class Round:
             return
         for share in trained.survivors:
             share.exam = self.exam(share.adapter, work, f"share {share.index}")
-        self.record.update(rec.shares_record(trained))
 
     def settle(self, baseline: Baseline, work: Work, start: str | None) -> None:
         """The baseline's number, however it was had, and the round's status."""
@@ -480,52 +452,48 @@ class Round:
             if known is None:
                 self.note("the baseline never arrived; measuring the start now")
                 known = self.measure(start, work)
-        self.record["baseline"] = known
+        r = self.record
+        r.baseline = known
         wanted = "baseline" if self.settings.measure_only else "result"
-        self.record["status"] = "done" if self.record.get(wanted) is not None else "failed"
-        if self.record["status"] == "failed":
-            error = self.record.get(f"{wanted}_error", "it did not finish")
-            self.record.setdefault("why", f"the {wanted} exam failed: {error}")
+        r.status = "done" if getattr(r, wanted) is not None else "failed"
+        if r.status == "failed":
+            r.why = r.why or f"the {wanted} exam failed: {r.error(wanted) or 'it did not finish'}"
         if self.settings.measure_only:
-            self.record["why"] = "measure only: the start was examined, nothing trained"
+            r.why = "measure only: the start was examined, nothing trained"
 
     def report(self, work: Work, adapter: str | None) -> None:
         """round.json, then the adapter and the end on the hub (both retried inside the client).
         A stopped round uploads nothing: a stop is a stop."""
         r = self.record
-        baseline, result = r.get("baseline"), r.get("result")
+        baseline, result = r.baseline, r.result
         new = rec.new_tools(baseline, result, {t["tool"] for t in work.train + work.val})
-        r.update(
-            baseline=rec.exam_record(baseline),
-            result=rec.exam_record(result),
-            beat=rec.beat(baseline, result),
-            new_tools=new,
-            comparison=rec.compare(
-                baseline, result, self.settings.fall_rule(), new["tools"] if new else ()
-            ),
-            minutes=round((time.time() - self.started) / 60, 2),
+        r.reported, r.beat, r.new_tools = True, rec.beat(baseline, result), new
+        r.comparison = rec.compare(
+            baseline, result, self.settings.fall_rule(), new["tools"] if new else ()
         )
-        self.note_comparison(r["comparison"])
+        r.minutes = round((time.time() - self.started) / 60, 2)
+        self.note_comparison(r.comparison)
         if new:
             self.note(
                 f"new tools (never in the slice: {', '.join(new['tools'])}), {new['asked']} turns: "
                 f"{new['before_pct']}% before, {new['after_pct']}% after"
             )
-        if r["status"] == "failed":
+        if r.status == "failed":
             last = self.out / "last"
-            r.setdefault(
-                "adapter_last", str(last) if (last / "adapter_config.json").is_file() else None
-            )
+            r.adapter_last = str(last) if (last / "adapter_config.json").is_file() else None
         self.write()
-        if not r.get("hub_round"):
+        if not r.hub_round:
             return
         uploaded = (
-            self.hub.put_adapter(Path(adapter)) if adapter and r["status"] != "stopped" else None
+            self.hub.put_adapter(Path(adapter)) if adapter and r.status != "stopped" else None
         )
-        body = rec.end_body(r, baseline, result, uploaded, work.paper_id, self.recipe.seed)
-        if r.get("share_rounds"):
-            body["shares"] = r["share_rounds"]
-        r["hub_adapter"], r["hub_ended"] = uploaded, bool(self.hub.end(body))
+        body = rec.end_body(
+            r.as_json(), baseline, result, uploaded, work.paper_id, self.recipe.seed
+        )
+        share_rounds = [x.hub_round for x in r.trained.shares if x.hub_round] if r.trained else []
+        if share_rounds:
+            body["shares"] = share_rounds
+        r.hub_adapter, r.hub_ended = uploaded, bool(self.hub.end(body))
         self.write()
 
     def note_comparison(self, compared: dict | None) -> None:
@@ -573,16 +541,17 @@ def check_survivors(trained: Trained) -> None:
         )
 
 
-def run_round(settings: RoundSettings) -> dict:
-    """Run one round; returns round.json's content (also written to settings.out/round.json)."""
-    return Round(settings).run()
+def run_round(settings: RoundSettings, cluster: Cluster | None = None) -> dict:
+    """Run one round; returns round.json's content (also written to settings.out/round.json).
+    `cluster`: where it runs (default: Ray's)."""
+    return Round(settings, cluster).run()
 
 
-def run_trial(settings: RoundSettings) -> dict:
+def run_trial(settings: RoundSettings, cluster: Cluster | None = None) -> dict:
     """Score a candidate (the bare student or an adapter) on the paper: trains nothing, takes no
     turns. On the hub it is a round of its own (registered, notes, ended with its result and
     `trained: 0`), so the status page lists every candidate's score."""
-    rnd = Round(settings)
+    rnd = Round(settings, cluster)
     rnd.setup()
     work = get_work(
         rnd.hub, rnd.local, settings.data, rnd.recipe, with_slice=False, fetch=settings.fetch
@@ -592,7 +561,7 @@ def run_trial(settings: RoundSettings) -> dict:
     try:
         result = rnd.exam(rnd.start_adapter(), work, "trial")
         if result is None:
-            why = f"trial of {rnd.start} failed: {rnd.record.get('trial_error')}"
+            why = f"trial of {rnd.start} failed: {rnd.record.error('trial')}"
         else:
             status = "done"
             why = f"trial of {rnd.start}: {result.agreement_pct:.1f}% on {result.turns} turns"
@@ -603,12 +572,12 @@ def run_trial(settings: RoundSettings) -> dict:
         raise
     finally:
         record = {
-            "round": rnd.record["round"],
+            "round": rnd.record.round,
             "hub_round": hub_round,
             "status": status,
             "why": why,
             "candidate": rnd.start,
-            "serving": rnd.record.get("serving"),
+            "serving": rnd.record.serving,
             "student": rnd.student_id,
             "paper": work.paper_record,
             "result": rec.exam_record(result),

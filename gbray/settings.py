@@ -575,3 +575,25 @@ def as_record(obj) -> dict:
             value = str(value)
         out[f.name] = value
     return out
+
+
+@dataclass(frozen=True)
+class TrainerJob:
+    """One trainer's start: the student and the start adapter it loads, the recipe, where it
+    writes (its progress.log included) and how it names itself on the hub."""
+
+    model: str
+    start: str | None  # the start adapter's folder; None: the bare student
+    start_name: str  # the start's name on the hub (`bare`, `hub:NAME`, `local:HASH`)
+    recipe: Recipe
+    out: Path
+    run_id: str
+
+    @property
+    def log_path(self) -> Path:
+        return self.out / "progress.log"
+
+    def for_share(self, index: int) -> TrainerJob:
+        return dataclasses.replace(
+            self, out=self.out / f"share-{index}", run_id=f"{self.run_id}-share-{index}"
+        )

@@ -127,7 +127,7 @@ def test_syncs_come_every_so_many_turns_of_the_fastest_share():
     from gbray.shares import sync_turns
 
     night = SimpleNamespace(
-        recipe=SimpleNamespace(batch=8, accum=2), average_every_seconds=9.0
+        job=SimpleNamespace(recipe=SimpleNamespace(batch=8, accum=2)), average_every_seconds=9.0
     )  # fmt: skip
     # 36,000 turns an hour is 10 a second: 90 turns in 9 s, whatever the slower shares do.
     assert sync_turns(night, [36_000.0, 12_000.0]) == 90

@@ -68,5 +68,5 @@ def test_the_circle_finder_finds_a_circle():
 
 def test_no_import_circle_in_gbray():
     graph = import_graph()
-    assert "gbray.shares" in graph and "gbray.placement" in graph["gbray.shares"]
+    assert "gbray.ray_cluster" in graph and "gbray.shares" in graph["gbray.ray_cluster"]
     assert circles(graph) == []

@@ -102,6 +102,10 @@ def _refused_for_good(error: requests.HTTPError) -> bool:
 
 
 class HubClient:
+    """One round's client of the hub, in the process that holds it."""
+
+    actor = None  # a `Hub` held in the round's own process: nothing to report through
+
     def __init__(self, settings: ClientSettings):
         self.settings = settings
         self.base = settings.url.rstrip("/")
@@ -347,15 +351,16 @@ class HubClient:
 
 
 class Hub(Protocol):
-    """What a round asks of a hub. Two kinds: `RayHub` (the round's hub client in a Ray actor)
-    and `NoHub` (no hub: nothing known, nothing stopped, nothing sent). The round never asks
-    which one it holds."""
+    """What a round asks of a hub. Three kinds: `RayHub` (the round's hub client in a Ray actor),
+    `HubClient` itself (a round run in one process) and `NoHub` (no hub: nothing known, nothing
+    stopped, nothing sent). The round never asks which one it holds."""
 
     #: the Ray actor that trainers and examiners report through (None: they report nowhere)
     actor: Any
 
     def register(self, base: str, turns: int, recipe: dict) -> str | None: ...
     def note(self, line: str) -> None: ...
+    def check(self, point: dict) -> bool: ...
     def stopped(self) -> bool: ...
     def slice(self, turns: int) -> list[bytes] | None: ...
     def paper(self, turns: int) -> tuple[list[bytes], str, str] | None: ...
@@ -377,6 +382,9 @@ class NoHub:
 
     def note(self, line: str) -> None:
         return None
+
+    def check(self, point: dict) -> bool:
+        return False
 
     def stopped(self) -> bool:
         return False
