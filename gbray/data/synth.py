@@ -6,8 +6,8 @@ job and the earlier observations are shared noise. Silver turns carry some wrong
 agent's own reports do. Jobs are cut whole into train or eval, never both.
 
 `hard` turns (`gbray synth --hard`) need the page, the task and the history together: the page
-lists about twenty tools' cues under three headings, the task names the heading's way of working,
-and the history says which of the tools under it were already used (the page still shows them).
+lists 22 tools' cues under eleven headings, the task names the heading's way of working, and the
+history says which of the tools under it was already used (the page still shows it).
 See `make_hard_turn`.
 """
 
@@ -388,8 +388,8 @@ class SynthSettings:
             raise ValueError(f"--wording must be one of {sorted(WORDINGS)}")
         if self.prompt_tokens < 80:
             raise ValueError("--prompt-tokens must be at least 80")
-        if self.hard and self.tools < 12:
-            raise ValueError("--hard needs --tools >= 12 (a page offers many tools)")
+        if self.hard and self.tools < HARD_SECTIONS * HARD_SECTION_TOOLS + 4:
+            raise ValueError("--hard needs --tools >= 26 (a page offers 22 tools)")
         if not 0 <= self.new_tools <= self.tools // 4:
             raise ValueError("--new-tools must be between 0 and a quarter of --tools")
 
@@ -533,15 +533,17 @@ def _turn(rng, settings, table, weights, job, system, user, index, n, topic) -> 
     }
 
 
-# Hard turns: a task names one of a split's three ways of doing it, and the page's elements sit
-# under three headings, one per way of that split.
+# Hard turns: a task names a way of doing it, and the page's elements sit under headings, one
+# per way of working.
 WAYS = (
     ("and keep a copy for later", "without keeping anything", "and pass it on"),
     ("for the whole team", "just for yourself", "for a client"),
     ("before the deadline today", "whenever there is time", "within the hour"),
     ("with the exact figures", "in plain words", "with pictures"),
 )
-HARD_SECTION = (7, 8)  # tools under each heading: three headings offer 21 to 24 of the 40
+# Eleven headings of two tools each: a page offers 22 of the 40 (the page alone: 1 in 22, under
+# twice chance), and under the task's heading the one tool not used yet sits beside one that was.
+HARD_SECTIONS, HARD_SECTION_TOOLS = 11, 2
 # A real agent's prompt states its rules; the student still has to apply them.
 HARD_RULES = (
     "\nRules: a page lists its elements in sections, one for each way of working. Use the "
@@ -558,51 +560,43 @@ def _labels(table, weights) -> list:
 
 def make_hard_turn(rng, settings, wording, table, weights, system, job, topic) -> dict:
     """A turn no one field decides. The task names a way of doing it; the page lists its
-    elements under three headings, one per way of the task's split, each heading over seven or
-    eight tools' cues (one signature element each, in any order); the history says which of
-    them were already used on this page, by name and element number (their cues still show: a
-    banner closed, a dialog dismissed), among steps on earlier pages. Under the task's heading
-    every tool but the target was used (the near misses); under the others some were and some
-    were not. So the page alone leaves about 22 tools open, the task alone all 40, the history
-    alone about 27; the right call is the one tool under the task's heading not used yet. Which
-    tools a page shows, and under which heading, is drawn afresh for each turn: nothing is to be
-    remembered but which cues are which tool's."""
+    elements under eleven headings, one per way of working, each over two tools' cues (one
+    signature element each, in any order); the history says which of them were already used on
+    this page, by name and element number (their cues still show: a banner closed, a dialog
+    dismissed), among steps on earlier pages. Under every heading one tool was used and one was
+    not: under the task's heading the one not used is the target, the used one its near miss.
+    So the page alone leaves 22 tools open, the task alone all 40, the history alone about 29;
+    the right call is the tool under the task's heading not used yet. Which tools a page shows,
+    and under which heading, is drawn afresh for each turn: nothing is to be remembered but
+    which cues are which tool's."""
     n_tools = len(table)
     target = rng.choices(range(n_tools), weights=weights)[0]
-    split, way = rng.randrange(len(WAYS)), rng.randrange(3)
-    others = [i for i in range(n_tools) if i != target]
-    rng.shuffle(others)
-    sizes = [rng.randint(*HARD_SECTION) for _ in range(3)]
-    sections, used, at = [], [], 0
-    for k, size in enumerate(sizes):
-        if k == way:
-            tools = [target, *others[at : at + size - 1]]
-            used += tools[1:]
-            at += size - 1
-        else:
-            tools = others[at : at + size]
-            used += tools[: rng.randint(2, size - 3)]
-            at += size
-        sections.append(tools)
+    ways = [phrase for split in WAYS for phrase in split]
+    headings = rng.sample(ways, HARD_SECTIONS)
+    way = rng.randrange(HARD_SECTIONS)
+    size = HARD_SECTION_TOOLS
+    others = rng.sample([i for i in range(n_tools) if i != target], HARD_SECTIONS * size)
+    sections = [others[k * size : (k + 1) * size] for k in range(HARD_SECTIONS)]
+    sections[way][0] = target  # under the task's heading the target is the tool not used yet
+    used = [i for tools in sections for i in tools[1:]]
     # Earlier pages' steps name tools not used on this one, the target as often as any other:
     # a tool is spent only on the page it was used on.
     unused = [i for i in range(n_tools) if i not in used]
     earlier = rng.sample(unused, rng.randint(2, 5))
     cues = {i: rng.choice(table[i][3]) for tools in sections for i in tools}
-    generic = rng.sample(GENERIC_ELEMENTS, 6)
+    generic = rng.sample(GENERIC_ELEMENTS, min(len(GENERIC_ELEMENTS), HARD_SECTIONS))
     elements = []
     for k, tools in enumerate(sections):
-        block = [cues[i] for i in tools] + generic[2 * k : 2 * k + rng.randint(0, 1)]
+        block = [cues[i] for i in tools] + generic[k : k + rng.randint(0, 1)]
         rng.shuffle(block)
-        elements.append([f'section "{WAYS[split][k].capitalize()}"', *block])
-    order = list(range(3))
-    rng.shuffle(order)
-    listed = [e for k in order for e in elements[k]]
+        elements.append([f'section "{headings[k].capitalize()}"', *block])
+    rng.shuffle(elements)
+    listed = [e for section in elements for e in section]
     number = {e: n + 1 for n, e in enumerate(listed)}
     history = [f"- {table[i][0]} [{number[cues[i]]}]: used on this page" for i in used]
     history += [f"- {table[i][0]}: used on an earlier page" for i in earlier]
     rng.shuffle(history)
-    phrase = WAYS[split][way]
+    phrase = headings[way]
     head = (
         f"{wording.job} {job}: find out about {topic}, {phrase}."
         if rng.random() < 0.5
