@@ -32,10 +32,12 @@ def state(hub):
 
 
 def night_recipe(minutes, **kw):
+    """Bound by its turns (1.5 epochs of 480: 90 steps), with `minutes` only as a cap, so a
+    slower machine trains the same night, only later."""
     from gbray.settings import Recipe
 
     base = dict(
-        hours=minutes / 60, epochs=20, turns=2000, lr=2e-3, batch=8, accum=1, lora_r=16,
+        hours=minutes / 60, epochs=1.5, turns=480, lr=2e-3, batch=8, accum=1, lora_r=16,
         lora_alpha=32, max_len=512, val_turns=16, val_every_minutes=0.2, exam_turns=150,
         answer_budget=24, seed=3, progress_every_minutes=0.2, gradient_checkpointing=False,
     )  # fmt: skip
@@ -54,7 +56,7 @@ def test_a_night_that_loses_a_tool_is_refused_by_the_fallen_tool_rule(
         first = night(
             RoundSettings(
                 data=data, model=str(student), out=tmp_path / "n1", hub=hub.url,
-                token=hub.device, adapter="hub:serving", recipe=night_recipe(0.4),
+                token=hub.device, adapter="hub:serving", recipe=night_recipe(4),
             )
         )  # fmt: skip
         served = state(hub)["serving"]
@@ -70,7 +72,7 @@ def test_a_night_that_loses_a_tool_is_refused_by_the_fallen_tool_rule(
         second = night(
             RoundSettings(
                 data=slice_without, model=str(student), out=tmp_path / "n2", hub=hub.url,
-                token=hub.device, adapter="hub:serving", recipe=night_recipe(0.4, lr=4e-3),
+                token=hub.device, adapter="hub:serving", recipe=night_recipe(6, lr=4e-3, epochs=3),
             )
         )  # fmt: skip
         assert second.status == "done" and second.start == f"hub:{first.hub_round}"

