@@ -156,8 +156,9 @@ def test_a_slow_share_syncs_less_and_does_not_hold_the_fast_one_back(learnable, 
     from gbray.settings import RoundSettings
 
     c, _ = cluster("laptop", "desktop", head_cpus=0)
-    # 0.2 s a turn: at least twice a turn's own time on the machines seen (0.04 to 0.12 s).
-    slow = {"runtime_env": {"env_vars": {"GBRAY_SIMULATED_SLOWDOWN": "0.2"}}}
+    # 0.4 s a turn (a sleep: no CPU taken): at least twice a turn's own time on the machines
+    # seen (0.04 to 0.2 s on a one-CPU node).
+    slow = {"runtime_env": {"env_vars": {"GBRAY_SIMULATED_SLOWDOWN": "0.4"}}}
     # Time-bound nights (more epochs than the minute allows), with and without the slow share.
     # Syncs every 6 s: a sync's fixed cost (~0.15 s here) is then the few percent it is in a real
     # night (every 2 minutes); the default for a one-minute night (every 1.5 s) would cost 10%.
