@@ -82,6 +82,7 @@ class TrainSummary:
     pid: int | None = None
     choices: dict | None = None  # autocast, checkpointing, threads, and why (tuning.Choices)
     averaged: int = 0  # times its adapter was averaged with other shares' while training
+    sync_minutes: float = 0.0  # of `minutes`, spent in those syncs
     # Optimizer steps that ran their turns' shared prompt prefix once, and the share of the
     # trained tokens that spared (gbray.prefix).
     shared_prefix_steps: int = 0

@@ -172,6 +172,7 @@ class Trainer:
         self.recipe, self.out = recipe, Path(out)
         self.sync = sync or NoSync()
         self.averaged = 0
+        self.sync_seconds = 0.0  # spent handing movements to the averager and taking the global
         self.synced_at = 0  # turn-passes at the last sync with the other shares
         self.on_saved = on_saved
         self.start = start_name
@@ -343,7 +344,9 @@ class Trainer:
         """Hands what this share moved since its last sync to the night's averager and carries
         on from the global it gets back (`gbray.averaging`). Optimizer moments stay local."""
         turns = state.turn_passes - self.synced_at
+        began = time.monotonic()
         self.set_adapter_weights(self.sync.exchange(self.adapter_weights(), turns))
+        self.sync_seconds += time.monotonic() - began
         self.synced_at = state.turn_passes
         self.averaged += 1
         if self.averaged in (1, 10) or self.averaged % 100 == 0:  # a line now and then
@@ -826,6 +829,7 @@ class Trainer:
             resumed_from_step=self.resumed["step"] if self.resumed else None,
             choices=self.choices.as_dict(),
             averaged=self.averaged,
+            sync_minutes=round(self.sync_seconds / 60, 3),
             shared_prefix_steps=state.shared_steps,
             spared_tokens_share=round(state.spared / state.tokens, 4) if state.tokens else None,
         )

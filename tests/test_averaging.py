@@ -1,6 +1,8 @@
 """Shares averaging while they train (local SGD): the averager's arithmetic and freshness, and a
 trainer that carries on from the average it is handed. No Ray: the actor is a shell over these."""
 
+import time
+
 import torch
 from peft import get_peft_model_state_dict
 from test_trainer import recipe
@@ -100,6 +102,7 @@ class ZeroingSync:
     def exchange(self, mine: dict, turns: int) -> dict:
         self.exchanges += 1
         self.turns.append(turns)
+        time.sleep(0.25)  # an averager on another machine: what the trainer spends waiting
         return {k: torch.zeros_like(v) for k, v in mine.items()}
 
     def leave(self, weights: dict | None, turns: int) -> None:
@@ -116,6 +119,8 @@ def test_the_trainer_carries_on_from_the_average_it_is_handed(raw_student, corpu
     # since the last; the last one leaves the adapter all zeros (LoRA's A and B both zero get no
     # gradient after it), and what it hands in on leaving is those zeros.
     assert summary.steps == 4 and sync.exchanges == 4 and summary.averaged == 4
+    # What the syncs cost is told apart from the training's time (4 waits of 0.25 s).
+    assert 1.0 / 60 <= summary.sync_minutes <= summary.minutes, summary
     assert sync.joined == 1 and sync.turns == [2, 2, 2, 2] and sync.left[1] == 0
     lora = get_peft_model_state_dict(trainer.model)
     assert lora and all(float(v.abs().max()) == 0.0 for v in lora.values())

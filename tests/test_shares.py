@@ -163,8 +163,21 @@ def test_a_slow_share_syncs_less_and_does_not_hold_the_fast_one_back(learnable, 
     # Syncs every 6 s: a sync's fixed cost (~0.15 s here) is then the few percent it is in a real
     # night (every 2 minutes); the default for a one-minute night (every 1.5 s) would cost 10%.
     night = quick(hours=1.0 / 60, epochs=50, turns=240, val_every_minutes=0.3)
+
+    def alone(name):
+        return run_round(
+            RoundSettings(
+                data=corpus, model=str(student), out=tmp_path / name, skip_baseline=True,
+                recipe=night,
+            )
+        )["turn_passes"]  # fmt: skip
+
     try:
         ray.init(address=c.address)
+        # The night without it runs before and after the shares night: this machine's speed
+        # drifts by several percent from one minute to the next, and the mean of the two nights
+        # cancels a steady drift.
+        before = alone("alone-before")
         both = run_round(
             RoundSettings(
                 data=corpus, model=str(student), out=tmp_path / "both", shares=2,
@@ -172,12 +185,7 @@ def test_a_slow_share_syncs_less_and_does_not_hold_the_fast_one_back(learnable, 
                 share_average_minutes=0.1,
             )
         )  # fmt: skip
-        alone = run_round(
-            RoundSettings(
-                data=corpus, model=str(student), out=tmp_path / "alone", skip_baseline=True,
-                recipe=night,
-            )
-        )  # fmt: skip
+        after = alone("alone-after")
     finally:
         ray.shutdown()
         c.shutdown()
@@ -192,8 +200,10 @@ def test_a_slow_share_syncs_less_and_does_not_hold_the_fast_one_back(learnable, 
     began = [r["training"]["schedule"]["cooldown_began_minute"] for r in (fast, slower)]
     assert all(b is not None for b in began) and abs(began[0] - began[1]) <= 0.3 + 0.1, began
     # Nobody waits: the fast share trains what one trainer alone trains in the same minute.
-    passes = fast["training"]["turn_passes"], alone["turn_passes"]
-    assert abs(passes[0] - passes[1]) <= 0.1 * passes[1], passes
+    passes, without = fast["training"]["turn_passes"], (before + after) / 2
+    assert abs(passes - without) <= 0.1 * without, (passes, before, after)
+    # What it spent syncing is in its report, a small part of its minute.
+    assert 0 < fast["training"]["sync_minutes"] < 0.1 * fast["training"]["training_minutes"]
     # Syncs come every so many turns, so the slow share syncs less often; each sync counts the
     # turns behind it, and every turn a share trained is in its syncs (the last when it left).
     merge = both["merge"]
