@@ -16,6 +16,7 @@ are reported, not hidden. The reference (`ExamMode.plain()`) is generate(), a tu
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
@@ -223,6 +224,12 @@ AttentionInterface.register(CASCADE, cascade_attention)
 AttentionMaskInterface.register(CASCADE, sdpa_mask)
 
 
+def cache_argument(model) -> str:
+    """What a causal LM's forward takes and returns its KV cache as: `cache` in the transformers
+    releases that renamed it (5.2x), `past_key_values` before (5.17 has only that name)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class Examiner:
     def __init__(
         self,
@@ -241,6 +248,7 @@ class Examiner:
         self.model.to(self.device).eval()
         base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         base.set_attn_implementation(CASCADE)
+        self.cache_arg = cache_argument(base)
         self.stop_ids = {self.tokenizer.eos_token_id, self.tokenizer.pad_token_id} - {None}
         # What the last exam ran (read by benchmarks/exam_speed.py).
         self.prefix_tokens, self.rows = 0, 0
@@ -252,7 +260,7 @@ class Examiner:
         """Each layer's keys and values over `ids`, computed once (batch of one)."""
         prefix = SharedPrefix(ids)
         if ids:
-            cache = self.model(input_ids=torch.tensor([ids], device=self.device)).cache
+            cache = self.model(input_ids=torch.tensor([ids], device=self.device))[self.cache_arg]
             prefix.keys = [layer.keys for layer in cache.layers]
             prefix.values = [layer.values for layer in cache.layers]
         return prefix
@@ -303,7 +311,7 @@ class Examiner:
                 input_ids=chosen[:, None],
                 attention_mask=seen[:, None, None, : width + step + 1],
                 position_ids=(head + lengths + step)[:, None],
-                cache=cache,
+                **{self.cache_arg: cache},
                 shared_prefix=prefix,
             ).logits[:, -1]
         answers = []
@@ -337,7 +345,7 @@ class Examiner:
                 position_ids=(len(prefix) + columns[None, :] - (wide - real[:, None])).clamp(
                     min=len(prefix)
                 ),
-                cache=chunk,
+                **{self.cache_arg: chunk},
                 shared_prefix=prefix,
                 logits_to_keep=1,
             )

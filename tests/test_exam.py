@@ -76,6 +76,19 @@ def test_shared_prefix_leaves_each_prompt_a_token_of_its_own():
     assert shared_prefix([[7], [1, 2]]) == []
 
 
+def test_the_cache_is_passed_by_the_name_the_installed_transformers_takes():
+    from gbray.examiner import cache_argument
+
+    class Renamed:  # transformers 5.2x
+        def forward(self, input_ids=None, cache=None, **kwargs): ...
+
+    class Before:  # transformers 5.17: only the old name
+        def forward(self, input_ids=None, past_key_values=None, **kwargs): ...
+
+    assert cache_argument(Renamed()) == "cache"
+    assert cache_argument(Before()) == "past_key_values"
+
+
 # -- fast and exact -----------------------------------------------------------------------------
 
 
