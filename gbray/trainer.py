@@ -344,9 +344,9 @@ class Trainer:
         """Hands what this share moved since its last sync to the night's averager and carries
         on from the global it gets back (`gbray.averaging`). Optimizer moments stay local."""
         turns = state.turn_passes - self.synced_at
-        began = time.monotonic()
+        began = self.clock()
         self.set_adapter_weights(self.sync.exchange(self.adapter_weights(), turns))
-        self.sync_seconds += time.monotonic() - began
+        self.sync_seconds += self.clock() - began
         self.synced_at = state.turn_passes
         self.averaged += 1
         if self.averaged in (1, 10) or self.averaged % 100 == 0:  # a line now and then
