@@ -748,6 +748,8 @@ class Trainer:
                         timing.speed_step = state.steps
                     self._maybe_cool_down(schedule, state, timing)
                     validated = self._maybe_validate(val, state, timing, schedule)
+                    if validated:  # the night's mark may have passed while it validated
+                        self._maybe_cool_down(schedule, state, timing)
                     if state.steps == REPLAN_AFTER_STEPS or (
                         validated and state.steps > REPLAN_AFTER_STEPS
                     ):
