@@ -219,6 +219,39 @@ def test_shares_of_one_night_cool_down_together_whatever_their_speed(raw_student
     assert all(abs(b - 0.8 * night) <= slow_step + rounding for b in began), began
 
 
+def test_a_validation_that_crosses_the_cool_down_mark_starts_the_cool_down_at_once(
+    raw_student, turns, tmp_path
+):
+    # On a clock of its own: every step takes a second and a validation eight. The one at step
+    # 75 begins at 75 s and ends at 83 s, past the mark (80 s: a fifth of a 100-s night left),
+    # so the cool-down begins at that step and the next step already takes its rate, not the
+    # peak's.
+    now = [0.0]
+    r = recipe(hours=100 / 3600, epochs=200, accum=1, val_every_steps=75)
+    trainer = Trainer(str(raw_student), None, r, tmp_path, clock=lambda: now[0])
+    accumulate, optimizer_step, rates = trainer.accumulate, trainer.optimizer_step, []
+
+    def a_second_a_step(micro_batches, state):
+        accumulate(micro_batches, state)
+        now[0] += 1.0
+
+    def noting_the_rate(state, rate):
+        rates.append(rate)
+        optimizer_step(state, rate)
+
+    def eight_seconds(examples):
+        now[0] += 8.0
+        return 0.5, "1" * len(examples)
+
+    trainer.accumulate, trainer.optimizer_step = a_second_a_step, noting_the_rate
+    trainer.validation_scores = eight_seconds
+    summary = trainer.train(turns[:12], turns[30:34])
+    assert summary.checks[0]["step"] == 75 and summary.checks[0]["minute"] * 60 < 80
+    assert summary.schedule["cooldown_why"] == "time"
+    assert summary.schedule["cooldown_began_step"] == 75
+    assert summary.steps > 76 and rates[75] < rates[74] == r.lr
+
+
 def test_a_schedule_free_night_keeps_the_optimizers_average(raw_student, turns, tmp_path):
     # Schedule-Free AdamW trains one sequence of weights (y) and keeps their average (x): the
     # validation and the adapter files are x, and training carries on from y.
