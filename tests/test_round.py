@@ -11,7 +11,10 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-BUDGET_MINUTES = 1.5
+# Two and a half minutes: at a minute and a half an AVX2-only 2-core CPU took 110 steps, still
+# inside the student's flat start, and the win was clear once (p = 0.036) and once not
+# (8 -> 17 of 100, p = 0.108).
+BUDGET_MINUTES = 2.5
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +109,7 @@ def test_round_json_is_complete(finished_round):
 
 def test_round_json_shows_the_schedule_and_every_validation(finished_round):
     record, _, _ = finished_round
-    # Ten epochs planned, a minute and a half given: the cool-down began by the clock, with a fifth of
+    # Ten epochs planned, two and a half minutes given: the cool-down began by the clock, with a fifth of
     # the night left, and the night ended cooled down.
     assert record["schedule"]["kind"] == "wsd" and record["schedule"]["cooldown_why"] == "time"
     assert record["schedule"]["cooldown_began_minute"] == pytest.approx(
@@ -143,7 +146,7 @@ def test_exams_run_in_their_own_processes_and_end(finished_round):
 
 def test_short_budget_stops_on_time_then_examines(finished_round):
     record, _, _ = finished_round
-    assert record["why"] == "time"  # ten epochs planned, a minute and a half given
+    assert record["why"] == "time"  # ten epochs planned, two and a half minutes given
     assert record["epochs_done"] < 10
     # Within one optimizer step plus one validation (each well under ten seconds here).
     assert record["training_minutes"] <= BUDGET_MINUTES + 10 / 60
@@ -186,7 +189,7 @@ def test_round_json_pairs_the_baseline_with_the_result(finished_round):
     assert sum(paired[k] for k in ("only_after", "only_before", "both", "neither")) == 100
     assert paired["p_value"] == mcnemar_p(paired["only_after"], paired["only_before"])
     # A win on 100 turns that the hub's gate would take (p < 0.05): the night is time-bound, so
-    # how clear it is follows the machine (p = 0.036 on an AVX2-only CPU, far below elsewhere).
+    # how clear it is follows the machine (see BUDGET_MINUTES).
     assert paired["p_value"] < 0.05, paired
     rows = record["comparison"]["per_tool"]
     assert sum(row["asked"] for row in rows.values()) == 100
