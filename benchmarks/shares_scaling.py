@@ -4,7 +4,10 @@ for H, on a simulated cluster of one-CPU nodes, with the same slice seed and pap
 The corpus is `gbray synth --wording alt` with 500-token pages and 8,000 training turns. On the
 synth defaults (300-token pages, 3,000 turns) there is no headroom to measure: the 12-minute
 night's slice hit the corpus' end, and with 8,000 turns one trainer reached 86.0% at 6 minutes
-and 88.7% at 12 (seed 1), near what the silver labels allow.
+and 88.7% at 12 (seed 1), near what the silver labels allow. On a host about 0.6x as fast
+(411 steps in 6 minutes) these defaults have no headroom either: the 2H night stays in the tiny
+student's flat start (seed 1: 20.0% at H, 10.0% at 2H); `--page-tokens 150 --minutes 3` gives
+its steps three times faster and 37 points of headroom there (the README's shares night).
 
 Each night is one `gbray round` command on the tiny student, `--threads 1`, its own recipe
 otherwise. The one-trainer nights run two at a time (two processes, one thread each, on two
@@ -21,9 +24,10 @@ gains that N machines get in the same hours.
     python benchmarks/shares_scaling.py                    # about 65 minutes on 2 cores
     python benchmarks/shares_scaling.py --minutes 2 --seeds 1   # a quick look
 
-`--variants` compares ways of joining shares, each `outer_lr:outer_momentum` (the averager's
-outer optimizer, syncing every `--sync-minutes`) or `end` (no syncs: `cat` at the end, the exact
-average of the shares' updates).
+`--variants` compares ways of joining shares: `default` (`gbray round`'s own, no joining
+flag), `outer_lr:outer_momentum` (the averager's outer optimizer, syncing every
+`--sync-minutes`; `2:0 --sync-minutes 0.001` adds every share's step whole after each step) or
+`end` (no syncs: `cat` at the end, the exact average of the shares' updates).
 """
 
 from __future__ import annotations
@@ -58,7 +62,9 @@ def shares_night(data, student, out: Path, minutes: float, seed: int, paper: int
                  variant: str, sync_minutes: float) -> dict:  # fmt: skip
     from ray.cluster_utils import Cluster
 
-    if variant == "end":
+    if variant == "default":
+        join = []
+    elif variant == "end":
         join = ["--share-average-minutes", "0"]
     else:
         lr, momentum = variant.split(":")
@@ -103,14 +109,19 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--shares", type=int, nargs="+", default=[2],
                     help="share counts (one one-CPU node each; more than the cores is unfair)")  # fmt: skip
-    ap.add_argument("--variants", nargs="+", default=["1:0"],
-                    help="how shares join: outer_lr:outer_momentum, or end (cat at the end)")  # fmt: skip
+    ap.add_argument("--variants", nargs="+", default=["default"],
+                    help="how shares join: default (gbray round's own flags), "
+                    "outer_lr:outer_momentum every --sync-minutes, or end (cat at the end)")  # fmt: skip
     ap.add_argument("--sync-minutes", type=float, default=0.15,
                     help="the fastest share's time between syncs")  # fmt: skip
+    ap.add_argument("--wording", default="alt", help="the corpus' wording (gbray synth --wording)")
+    ap.add_argument("--tools", type=int, default=40, help="the corpus' tools (gbray synth --tools)")
     add_corpus_options(ap, turns=8000, work="/tmp/gbray-bench-scaling")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    data, student = prepare(args.work, args.turns, args.page_tokens, wording="alt")
+    data, student = prepare(
+        args.work, args.turns, args.page_tokens, wording=args.wording, tools=args.tools
+    )
     H = args.minutes
     started = time.monotonic()
 
@@ -166,8 +177,8 @@ def main() -> None:
                 },
             }
     report = {
-        "corpus": f"gbray synth --wording alt --turns {args.turns} --prompt-tokens "
-        f"{args.page_tokens} (40 tools)",
+        "corpus": f"gbray synth --wording {args.wording} --turns {args.turns} --prompt-tokens "
+        f"{args.page_tokens} --tools {args.tools}",
         "student": "tiny, pre-trained 450 steps",
         "minutes_H": H,
         "seeds": args.seeds,
