@@ -6,8 +6,9 @@ synth defaults (300-token pages, 3,000 turns) there is no headroom to measure: t
 night's slice hit the corpus' end, and with 8,000 turns one trainer reached 86.0% at 6 minutes
 and 88.7% at 12 (seed 1), near what the silver labels allow. On a host about 0.6x as fast
 (411 steps in 6 minutes) these defaults have no headroom either: the 2H night stays in the tiny
-student's flat start (seed 1: 20.0% at H, 10.0% at 2H); `--page-tokens 150 --minutes 3` gives
-its steps three times faster and 37 points of headroom there (the README's shares night).
+student's flat start (seed 1: 20.0% at H, 10.0% at 2H); `--page-tokens 150 --minutes 3` takes
+about twice the steps a minute (495 in 3 minutes) and has 38 points of headroom there (seeds 1-5,
+the README's shares night).
 
 Each night is one `gbray round` command on the tiny student, `--threads 1`, its own recipe
 otherwise. The one-trainer nights run two at a time (two processes, one thread each, on two
