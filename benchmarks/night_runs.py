@@ -63,6 +63,25 @@ def run_round(command: list[str], out: Path) -> dict:
     return json.loads((out / "round.json").read_text())
 
 
+def simulated_cluster(kinds: list[str], head_cpus: int = 1):
+    """A `ray.cluster_utils.Cluster` of a head and one one-CPU node per kind, each with its own
+    resource."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": head_cpus,
+            "resources": {"head": 1},
+            "include_dashboard": False,
+        },
+    )
+    for kind in kinds:
+        cluster.add_node(num_cpus=1, resources={kind: 1})
+    cluster.wait_for_nodes()
+    return cluster
+
+
 def spread(values: list[float]) -> dict:
     """The mean of a figure over the seeds, its standard deviation and every seed's value."""
     return {

@@ -20,10 +20,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ray.cluster_utils import Cluster
-
 from gbray.data.synth import SynthSettings, write_corpus
 from gbray.student import StudentSettings, build_student
+
+sys.path.insert(0, str(Path(__file__).parent))
+from night_runs import simulated_cluster  # noqa: E402
 
 
 def prepare(work: Path) -> tuple[Path, Path]:
@@ -40,13 +41,7 @@ def prepare(work: Path) -> tuple[Path, Path]:
 
 
 def night(data: Path, student: Path, out: Path, every: str) -> dict:
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "resources": {"head": 1}, "include_dashboard": False},
-    )
-    for kind in ("laptop", "desktop"):
-        cluster.add_node(num_cpus=1, resources={kind: 1})
-    cluster.wait_for_nodes()
+    cluster = simulated_cluster(["laptop", "desktop"])
     try:
         run = subprocess.run(
             [

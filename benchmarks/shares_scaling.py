@@ -43,7 +43,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from night_runs import add_corpus_options, prepare, round_command, run_round, spread  # noqa: E402
+from night_runs import (  # noqa: E402
+    add_corpus_options,
+    prepare,
+    round_command,
+    run_round,
+    simulated_cluster,
+    spread,
+)
 
 log = logging.getLogger("shares_scaling")
 
@@ -61,8 +68,6 @@ def one_trainer(data, student, out: Path, minutes: float, seed: int, paper: int)
 
 def shares_night(data, student, out: Path, minutes: float, seed: int, paper: int, shares: int,
                  variant: str, sync_minutes: float) -> dict:  # fmt: skip
-    from ray.cluster_utils import Cluster
-
     if variant == "default":
         join = []
     elif variant == "end":
@@ -72,13 +77,7 @@ def shares_night(data, student, out: Path, minutes: float, seed: int, paper: int
         join = ["--share-average-minutes", str(sync_minutes), "--outer-lr", lr,
                 "--outer-momentum", momentum]  # fmt: skip
     if not (out / "round.json").is_file():
-        cluster = Cluster(
-            initialize_head=True,
-            head_node_args={"num_cpus": 1, "resources": {"head": 1}, "include_dashboard": False},
-        )
-        for i in range(shares):
-            cluster.add_node(num_cpus=1, resources={f"worker{i}": 1})
-        cluster.wait_for_nodes()
+        cluster = simulated_cluster([f"worker{i}" for i in range(shares)])
         try:
             command = round_command(data, student, out, minutes, seed, paper, "--skip-baseline")
             run_round(

@@ -8,7 +8,12 @@ in its weights; what it moved since it was last handed the global (its pseudo-gr
 is applied at once, scaled by `outer_lr` over the live shares (counted by their speed relative to
 the fastest), and it gets the new global back. Nobody waits:
 machines differ by 100x. A movement is added, never a position averaged in, so a slow share's
-stale update adds what it learned and does not drag the global back to where it last synced.
+update does not drag the global back to where it last synced. A stale movement still repeats what
+the global has since learned from the others (the same task on other turns), and added whole it
+overshoots: the README's shares night measures a slow share's one late sync halving a merge. So a
+movement counts whole while the global has taken in at most twice the turns the other shares
+bring in an even round (the jitter of equal shares) and in proportion beyond that
+(staleness-aware, as in Zhang et al., arXiv 1511.05950).
 Nesterov momentum is updated once per outer step (as many arrivals as there are shares: the
 delayed Nesterov of Async Local-SGD), so a fast share does not build momentum on its own.
 
@@ -39,6 +44,7 @@ class Sync:
     weight: float  # the scale its movement was applied with
     minute: float
     final: bool = False
+    freshness: float = 1.0  # the part of `weight` left after staleness (1: counted whole)
 
 
 @dataclass
@@ -61,6 +67,7 @@ class OuterState:
     pending: dict  # movements applied since the momentum was last updated
     arrivals: int = 0
     version: int = 0
+    turns_in: int = 0  # turns behind every movement applied so far
 
 
 class Averager:
@@ -77,7 +84,8 @@ class Averager:
         self.outer_lr, self.outer_momentum, self.clock = outer_lr, outer_momentum, clock
         self.began = clock()
         self.state: OuterState | None = None
-        self.given: dict[int, tuple[dict, int]] = {}  # share -> (weights handed, version then)
+        # share -> (weights handed, version then, turns the global held then)
+        self.given: dict[int, tuple[dict, int, int]] = {}
         self.members: dict[int, Membership] = {}
         self.syncs: list[Sync] = []
         self.speeds: dict[int, float] = {}  # share -> speed relative to the fastest (1 unknown)
@@ -94,6 +102,13 @@ class Averager:
 
     def shares_worth(self) -> float:
         return sum(self.speeds.get(i, 1.0) for i in self.given)
+
+    def freshness(self, turns: int, taken_in_since: int) -> float:
+        """How much of a movement of `turns` counts, the global having taken in `taken_in_since`
+        turns of the others since the share was handed it: whole up to twice an even round's
+        (each other share bringing as many), in proportion beyond."""
+        even_round = max(1, len(self.members) - 1) * turns
+        return min(1.0, 2 * even_round / taken_in_since) if taken_in_since > 0 else 1.0
 
     def minute(self) -> float:
         return round((self.clock() - self.began) / 60, 3)
@@ -147,21 +162,26 @@ class Averager:
 
     def _hand(self, share: int, like: dict) -> dict:
         state = self.state
-        self.given[share] = ({k: v.clone() for k, v in state.weights.items()}, state.version)
+        self.given[share] = (
+            {k: v.clone() for k, v in state.weights.items()},
+            state.version,
+            state.turns_in,
+        )
         return {k: state.weights[k].to(like[k].dtype) for k in like}
 
     def _apply(self, share: int, weights: dict, turns: int, final: bool) -> None:
         if share not in self.given:  # dropped as gone, then heard from again: it rejoins
-            self.given[share] = ({k: v.clone() for k, v in self.state.weights.items()},
-                                 self.state.version)  # fmt: skip
+            self._hand(share, like=self.state.weights)
             return
-        handed, version = self.given[share]
+        handed, version, turns_then = self.given[share]
         state = self.state
-        scale = self.outer_lr / max(1.0, self.shares_worth())
+        fresh = self.freshness(turns, state.turns_in - turns_then)
+        scale = self.outer_lr / max(1.0, self.shares_worth()) * fresh
         for k, w in state.weights.items():
             step = (weights[k].detach().float() - handed[k]) * scale
             w += step
             state.pending[k] += step
+        state.turns_in += turns
         staleness = state.version - version
         state.arrivals += 1
         state.version += 1
@@ -173,7 +193,9 @@ class Averager:
                 w += mu * state.momentum[k]
                 state.pending[k].zero_()
             state.arrivals = 0
-        self.syncs.append(Sync(share, turns, staleness, round(scale, 4), self.minute(), final))
+        self.syncs.append(
+            Sync(share, turns, staleness, round(scale, 4), self.minute(), final, round(fresh, 4))
+        )
         member = self.members[share]
         member.turns_synced += turns
         member.syncs += 1

@@ -43,17 +43,32 @@ def test_outer_lr_one_averages_the_movements_and_the_number_of_shares_sums_them(
         assert torch.allclose(got["b"], torch.full((3,), -expected)), outer_lr
 
 
-def test_a_stale_movement_adds_what_it_learned_and_does_not_drag_the_global_back():
+def test_a_stale_movement_counts_in_proportion_and_does_not_drag_the_global_back():
     averager = Averager(outer_lr=2.0, clock=Clock())
     for share in (0, 1):
         averager.join(share, weights(0.0))
-    for _ in range(3):  # the fast share syncs three times, +1 each
+    for _ in range(3):  # the fast share syncs three times, 30 turns and +1 each
         averager.exchange(0, weights(averager_view(averager, 0) + 1.0), 30)
-    # The slow share, handed the start, moved +1 over the same time: its movement is added.
+    # The slow share, handed the start, moved +1 on 10 turns while the global took in 90 of the
+    # other's: it counts twice an even round's turns (2 x 10) over the 90, added to the global.
     got = averager.exchange(1, weights(1.0), 10)
-    assert torch.allclose(got["a"], torch.full((2, 3), 4.0))
+    assert torch.allclose(got["a"], torch.full((2, 3), 3.0 + 20 / 90))
     stale = averager.syncs[-1]
     assert stale.share == 1 and stale.staleness == 3 and stale.turns == 10
+    assert stale.freshness == stale.weight == round(20 / 90, 4)
+    # Its next movement, from the global it was just handed, counts whole again.
+    averager.exchange(1, weights(averager_view(averager, 1) + 1.0), 10)
+    assert averager.syncs[-1].freshness == 1.0
+
+
+def test_shares_of_one_pace_count_whole_when_one_syncs_twice_in_a_row():
+    averager = Averager(outer_lr=1.0, clock=Clock())
+    for share in (0, 1):
+        averager.join(share, weights(0.0))
+    for share in (0, 1, 1, 0):  # share 1 syncs twice before share 0 again: equal shares' jitter
+        averager.exchange(share, weights(averager_view(averager, share) + 1.0), 8)
+    assert [s.freshness for s in averager.syncs] == [1.0] * 4
+    assert [s.weight for s in averager.syncs] == [0.5] * 4
 
 
 def averager_view(averager: Averager, share: int) -> dict:
@@ -148,6 +163,7 @@ def test_a_slow_share_counts_by_its_speed_and_does_not_slow_the_fast_one():
     for _ in range(3):  # the fast share syncs three times, +1 each: counted 1 / (1 + 1/3)
         averager.exchange(0, weights(averager_view(averager, 0) + 1.0), 30)
     averager.exchange(1, weights(1.0), 30)  # the slow share's one sync in that time, +1
-    # The fast share alone would have moved the global by 3; with the slow one beside it, 4 * 0.75.
-    assert torch.allclose(averager.state.weights["a"], torch.full((2, 3), 3.0))
-    assert {s.weight for s in averager.syncs} == {0.75}
+    # The fast share's movements count 0.75 each, as much with the slow one beside it; the slow
+    # one's, handed the start 90 turns of the other's ago, counts 2 x 30 / 90 of that.
+    assert torch.allclose(averager.state.weights["a"], torch.full((2, 3), 3 * 0.75 + 0.5))
+    assert [s.weight for s in averager.syncs] == [0.75, 0.75, 0.75, 0.5]

@@ -219,9 +219,13 @@ def test_a_slow_share_syncs_less_and_does_not_hold_the_fast_one_back(learnable, 
     for i, report in enumerate((fast, slower)):
         assert members[i]["turns_synced"] == report["training"]["turn_passes"]
     # The slow share counts by its speed: while both sync, a movement's weight is 1 / (1 + its
-    # relative speed), above the 1/2 of two equal shares (1 once the other has left).
-    weights = [x["weight"] for x in merge["syncs"]]
-    assert all(0.5 < w <= 1.0 for w in weights) and min(weights) < 0.95, weights
+    # relative speed), above the 1/2 of two equal shares (1 once the other has left). Its own
+    # movements are stale (the fast share brought many times its turns since it was handed the
+    # global) and count in proportion: their freshness, which their weight includes.
+    fresh = [x["weight"] for x in merge["syncs"] if x["freshness"] == 1]
+    assert all(0.5 < w <= 1.0 for w in fresh) and min(fresh) < 0.95, merge["syncs"]
+    assert min(x["freshness"] for x in syncs[1]) < 0.5, syncs[1]
+    assert all(x["weight"] <= 1.0 * x["freshness"] + 1e-4 for x in merge["syncs"])
 
 
 def test_a_machine_that_joins_mid_night_gets_a_share_of_its_own(learnable, tmp_path):
