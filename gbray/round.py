@@ -35,7 +35,7 @@ from gbray.settings import (
     locate_model,
     student_choice,
 )
-from gbray.shares import Share, ShareNight, Trained
+from gbray.shares import Share, ShareNight, Trained, stale_syncs
 from gbray.work import Work, get_work
 
 log = logging.getLogger(__name__)
@@ -416,6 +416,7 @@ class Round:
             self.note(
                 f"merged {len(survivors)} shares: the averager's global adapter after "
                 f"{len(m['syncs'])} syncs (outer lr {m['outer_lr']}, momentum {m['outer_momentum']})"
+                f"{stale_syncs(m['syncs'])}"
             )
             self.record.merge, self.record.adapter = {"method": "outer", **m}, m["folder"]
             self.write()

@@ -144,3 +144,11 @@ def end_share(share: Share, share_hub) -> None:
             "trained": summary.turns_trained if summary else 0,
         }
     )
+
+
+def stale_syncs(syncs: list[dict]) -> str:
+    """What the round notes of the syncs counted in part for their staleness ("" if none)."""
+    stale = [s["freshness"] for s in syncs if s.get("freshness", 1.0) < 1.0]
+    if not stale:
+        return ""
+    return f"; {len(stale)} of them stale, counted in part (freshness down to {min(stale):.2f})"

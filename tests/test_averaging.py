@@ -9,6 +9,7 @@ from test_trainer import recipe
 
 from gbray.averaging import Averager
 from gbray.data.turns import index_folder
+from gbray.shares import stale_syncs
 from gbray.trainer import Trainer
 
 
@@ -59,6 +60,18 @@ def test_a_stale_movement_counts_in_proportion_and_does_not_drag_the_global_back
     # Its next movement, from the global it was just handed, counts whole again.
     averager.exchange(1, weights(averager_view(averager, 1) + 1.0), 10)
     assert averager.syncs[-1].freshness == 1.0
+
+
+def test_the_round_notes_the_syncs_counted_in_part():
+    averager = Averager(outer_lr=1.0, clock=Clock())
+    for share in (0, 1):
+        averager.join(share, weights(0.0))
+    for _ in range(3):
+        averager.exchange(0, weights(averager_view(averager, 0) + 1.0), 30)
+    assert stale_syncs(averager.result()[1]) == ""
+    averager.exchange(1, weights(1.0), 10)
+    said = stale_syncs(averager.result()[1])
+    assert said == "; 1 of them stale, counted in part (freshness down to 0.22)", said
 
 
 def test_shares_of_one_pace_count_whole_when_one_syncs_twice_in_a_row():
