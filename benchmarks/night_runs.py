@@ -36,6 +36,19 @@ def prepare(work: Path, turns: int, page_tokens: int, **synth) -> tuple[Path, Pa
     return data, student
 
 
+def prepare_learnable(work: Path, **synth) -> tuple[Path, Path]:
+    """The tests' learnable corpus (14 tools, 180-token pages; `synth` may change its wording)
+    and its tiny student pre-trained 420 steps, built once under `work`."""
+    data, student = work / "data", work / "student"
+    if not (student / "config.json").is_file():
+        write_corpus(
+            SynthSettings(out=data, turns=2500, eval_turns=300, seed=11, prompt_tokens=180,
+                          tools=14, **synth)
+        )  # fmt: skip
+        build_student(StudentSettings(data=data, out=student, pretrain_steps=420, vocab=1024))
+    return data, student
+
+
 def round_command(data: Path, student: Path, out: Path, minutes: float, seed: int, paper: int,
                   *flags: str) -> list[str]:  # fmt: skip
     """One night on the tiny student's own recipe, one thread, plus `flags`."""

@@ -20,24 +20,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gbray.data.synth import SynthSettings, write_corpus
-from gbray.student import StudentSettings, build_student
-
 sys.path.insert(0, str(Path(__file__).parent))
-from night_runs import simulated_cluster  # noqa: E402
-
-
-def prepare(work: Path) -> tuple[Path, Path]:
-    data, student = work / "data", work / "student"
-    if not (student / "config.json").is_file():
-        write_corpus(
-            SynthSettings(
-                out=data, turns=2500, eval_turns=300, seed=11, prompt_tokens=180, tools=14,
-                wording="alt",
-            )
-        )  # fmt: skip
-        build_student(StudentSettings(data=data, out=student, pretrain_steps=420, vocab=1024))
-    return data, student
+from night_runs import prepare_learnable, simulated_cluster  # noqa: E402
 
 
 def night(data: Path, student: Path, out: Path, every: str) -> dict:
@@ -81,7 +65,7 @@ def main() -> None:
                     help="averaging intervals in minutes; 0 (off) is the baseline")  # fmt: skip
     ap.add_argument("--work", type=Path, default=Path("/tmp/gbray-bench-shares"))
     args = ap.parse_args()
-    data, student = prepare(args.work)
+    data, student = prepare_learnable(args.work, wording="alt")
     runs = [night(data, student, args.work / f"night-{every}", every) for every in args.every]
     off = next((r for r in runs if r["share_average_minutes"] == 0), None)
     for r in runs:

@@ -24,25 +24,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from night_runs import simulated_cluster  # noqa: E402
+from night_runs import prepare_learnable, simulated_cluster  # noqa: E402
 
 log = logging.getLogger("shares_slow")
-
-
-def prepare(work: Path) -> tuple[Path, Path]:
-    from gbray.data.synth import SynthSettings, write_corpus
-    from gbray.student import StudentSettings, build_student
-
-    data, student = work / "data", work / "student"
-    if not (data / "train.jsonl").is_file():
-        write_corpus(
-            SynthSettings(
-                out=data, turns=2500, eval_turns=300, seed=11, prompt_tokens=180, tools=14
-            )
-        )
-    if not (student / "config.json").is_file():
-        build_student(StudentSettings(data=data, out=student, pretrain_steps=420, vocab=1024))
-    return data, student
 
 
 def night(data: Path, student: Path, out: Path, seed: int, paper: int, every: float, pause: float):
@@ -91,7 +75,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/gbray-bench-slow"))
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    data, student = prepare(args.work)
+    data, student = prepare_learnable(args.work)
     started = time.monotonic()
     cluster = simulated_cluster(["fast", "slow"], head_cpus=0)
     nights = []
