@@ -63,6 +63,21 @@ def one_trainer(data, student, out: Path, minutes: float, seed: int, paper: int)
         "result_pct": record["result"]["agreement_pct"],
         "turn_passes": record["turn_passes"],
         "steps": record["steps"],
+        "lr": record["recipe"]["lr"],
+        "accum": record["recipe"]["accum"],
+    }
+
+
+def lockstep(data, student, out: Path, minutes: float, seed: int, paper: int, machines: int,
+             lr: float, accum: int) -> dict:  # fmt: skip
+    """N machines in lockstep for `minutes / 2`, at no cost to sync: one trainer for `minutes`
+    taking N times the turns a step (accumulated) at N times the rate."""
+    flags = ["--skip-baseline", "--accum", str(machines * accum), "--lr", f"{machines * lr:g}"]
+    record = run_round(round_command(data, student, out, minutes, seed, paper, *flags), out)
+    return {
+        "result_pct": record["result"]["agreement_pct"],
+        "turn_passes": record["turn_passes"],
+        "steps": record["steps"],
     }
 
 
@@ -114,6 +129,10 @@ def main() -> None:
                     "outer_lr:outer_momentum every --sync-minutes, or end (cat at the end)")  # fmt: skip
     ap.add_argument("--sync-minutes", type=float, default=0.15,
                     help="the fastest share's time between syncs")  # fmt: skip
+    ap.add_argument("--lockstep", action="store_true",
+                    help="also N machines in lockstep (one trainer for 2H, N times the turns a "
+                    "step at N times the rate): what data parallelism gives without syncing's "
+                    "costs, the bound of any way of joining the shares' turns")  # fmt: skip
     ap.add_argument("--wording", default="alt", help="the corpus' wording (gbray synth --wording)")
     ap.add_argument("--tools", type=int, default=40, help="the corpus' tools (gbray synth --tools)")
     add_corpus_options(ap, turns=8000, work="/tmp/gbray-bench-scaling")
@@ -148,6 +167,21 @@ def main() -> None:
                 log.info("%d shares (%s), seed %d: %.1f%%, shares %s [%.0f min in]", n, variant,
                          seed, night["result_pct"], night["shares_pct"],
                          (time.monotonic() - started) / 60)  # fmt: skip
+    bound = {}
+    if args.lockstep:
+
+        def in_lockstep(job):
+            n, seed = job
+            one = ones[(H, seed)]
+            night = lockstep(data, student, args.work / f"lockstep{n}-{2 * H:g}min-seed{seed}",
+                             2 * H, seed, args.paper, n, one["lr"], one["accum"])  # fmt: skip
+            log.info("%d machines in lockstep, seed %d: %.1f%% (%d steps) [%.0f min in]", n,
+                     seed, night["result_pct"], night["steps"],
+                     (time.monotonic() - started) / 60)  # fmt: skip
+            return job, night
+
+        with ThreadPoolExecutor(2) as pool:
+            bound = dict(pool.map(in_lockstep, [(n, s) for n in args.shares for s in args.seeds]))
     one_h = [ones[(H, s)]["result_pct"] for s in args.seeds]
     one_2h = [ones[(2 * H, s)]["result_pct"] for s in args.seeds]
     gain = statistics.mean(one_2h) - statistics.mean(one_h)
@@ -176,6 +210,15 @@ def main() -> None:
                     "turn-passes >= 1.8x one trainer's": passes >= 1.8,
                 },
             }
+    for n in sorted({n for n, _ in bound}):
+        result = [bound[(n, s)]["result_pct"] for s in args.seeds]
+        over_one = statistics.mean(result) - statistics.mean(one_h)
+        summary[f"{n} machines in lockstep"] = {
+            "result_pct": spread(result),
+            "steps": [bound[(n, s)]["steps"] for s in args.seeds],
+            "minus_one_trainer_at_H_pct": round(over_one, 2),
+            "scaling_efficiency_E": round(over_one / gain, 3) if gain > 0 else None,
+        }
     report = {
         "corpus": f"gbray synth --wording {args.wording} --turns {args.turns} --prompt-tokens "
         f"{args.page_tokens} --tools {args.tools}",
