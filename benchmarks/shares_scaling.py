@@ -69,10 +69,10 @@ def one_trainer(data, student, out: Path, minutes: float, seed: int, paper: int)
 
 
 def lockstep(data, student, out: Path, minutes: float, seed: int, paper: int, machines: int,
-             lr: float, accum: int) -> dict:  # fmt: skip
+             rate: float, accum: int) -> dict:  # fmt: skip
     """N machines in lockstep for `minutes / 2`, at no cost to sync: one trainer for `minutes`
-    taking N times the turns a step (accumulated) at N times the rate."""
-    flags = ["--skip-baseline", "--accum", str(machines * accum), "--lr", f"{machines * lr:g}"]
+    taking N times the turns a step (accumulated) at `rate`."""
+    flags = ["--skip-baseline", "--accum", str(machines * accum), "--lr", f"{rate:.3g}"]
     record = run_round(round_command(data, student, out, minutes, seed, paper, *flags), out)
     return {
         "result_pct": record["result"]["agreement_pct"],
@@ -129,10 +129,10 @@ def main() -> None:
                     "outer_lr:outer_momentum every --sync-minutes, or end (cat at the end)")  # fmt: skip
     ap.add_argument("--sync-minutes", type=float, default=0.15,
                     help="the fastest share's time between syncs")  # fmt: skip
-    ap.add_argument("--lockstep", action="store_true",
+    ap.add_argument("--lockstep", nargs="*", choices=["sqrt", "linear"], default=[],
                     help="also N machines in lockstep (one trainer for 2H, N times the turns a "
-                    "step at N times the rate): what data parallelism gives without syncing's "
-                    "costs, the bound of any way of joining the shares' turns")  # fmt: skip
+                    "step, the rate times sqrt(N) or N): what data parallelism gives without "
+                    "syncing's costs, the bound of any way of joining the shares' turns")  # fmt: skip
     ap.add_argument("--wording", default="alt", help="the corpus' wording (gbray synth --wording)")
     ap.add_argument("--tools", type=int, default=40, help="the corpus' tools (gbray synth --tools)")
     add_corpus_options(ap, turns=8000, work="/tmp/gbray-bench-scaling")
@@ -171,17 +171,22 @@ def main() -> None:
     if args.lockstep:
 
         def in_lockstep(job):
-            n, seed = job
+            n, rule, seed = job
             one = ones[(H, seed)]
-            night = lockstep(data, student, args.work / f"lockstep{n}-{2 * H:g}min-seed{seed}",
-                             2 * H, seed, args.paper, n, one["lr"], one["accum"])  # fmt: skip
-            log.info("%d machines in lockstep, seed %d: %.1f%% (%d steps) [%.0f min in]", n,
-                     seed, night["result_pct"], night["steps"],
+            rate = one["lr"] * (n if rule == "linear" else n**0.5)
+            name = f"lockstep{n}-{2 * H:g}min-seed{seed}" if rule == "linear" else (
+                f"lockstep{n}-{rule}-{2 * H:g}min-seed{seed}"
+            )  # fmt: skip
+            night = lockstep(data, student, args.work / name, 2 * H, seed, args.paper, n, rate,
+                             one["accum"])  # fmt: skip
+            log.info("%d machines in lockstep (%s rate), seed %d: %.1f%% (%d steps) [%.0f min in]",
+                     n, rule, seed, night["result_pct"], night["steps"],
                      (time.monotonic() - started) / 60)  # fmt: skip
             return job, night
 
+        jobs = [(n, rule, s) for n in args.shares for rule in args.lockstep for s in args.seeds]
         with ThreadPoolExecutor(2) as pool:
-            bound = dict(pool.map(in_lockstep, [(n, s) for n in args.shares for s in args.seeds]))
+            bound = dict(pool.map(in_lockstep, jobs))
     one_h = [ones[(H, s)]["result_pct"] for s in args.seeds]
     one_2h = [ones[(2 * H, s)]["result_pct"] for s in args.seeds]
     gain = statistics.mean(one_2h) - statistics.mean(one_h)
@@ -210,12 +215,12 @@ def main() -> None:
                     "turn-passes >= 1.8x one trainer's": passes >= 1.8,
                 },
             }
-    for n in sorted({n for n, _ in bound}):
-        result = [bound[(n, s)]["result_pct"] for s in args.seeds]
+    for n, rule in sorted({(n, rule) for n, rule, _ in bound}):
+        result = [bound[(n, rule, s)]["result_pct"] for s in args.seeds]
         over_one = statistics.mean(result) - statistics.mean(one_h)
-        summary[f"{n} machines in lockstep"] = {
+        summary[f"{n} machines in lockstep, {rule} rate"] = {
             "result_pct": spread(result),
-            "steps": [bound[(n, s)]["steps"] for s in args.seeds],
+            "steps": [bound[(n, rule, s)]["steps"] for s in args.seeds],
             "minus_one_trainer_at_H_pct": round(over_one, 2),
             "scaling_efficiency_E": round(over_one / gain, 3) if gain > 0 else None,
         }
