@@ -27,8 +27,10 @@ gains that N machines get in the same hours.
 
 `--variants` compares ways of joining shares: `default` (`gbray round`'s own, no joining
 flag), `outer_lr:outer_momentum` (the averager's outer optimizer, syncing every
-`--sync-minutes`; `2:0 --sync-minutes 0.001` adds every share's step whole after each step) or
-`end` (no syncs: `cat` at the end, the exact average of the shares' updates).
+`--sync-minutes`; `2:0 --sync-minutes 0.001` adds every share's step whole after each step),
+`pool` (`--pool-gradients`: the average every `--sync-minutes`, and at every step each share
+steps on its own and the other's newest gradients) or `end` (no syncs: `cat` at the end, the
+exact average of the shares' updates). `--lockstep` adds the bound: N machines in lockstep.
 """
 
 from __future__ import annotations
@@ -87,6 +89,8 @@ def shares_night(data, student, out: Path, minutes: float, seed: int, paper: int
         join = []
     elif variant == "end":
         join = ["--share-average-minutes", "0"]
+    elif variant == "pool":
+        join = ["--share-average-minutes", str(sync_minutes), "--pool-gradients"]
     else:
         lr, momentum = variant.split(":")
         join = ["--share-average-minutes", str(sync_minutes), "--outer-lr", lr,
@@ -113,6 +117,7 @@ def shares_night(data, student, out: Path, minutes: float, seed: int, paper: int
         "merge": merge.get("method"),
         "syncs": len(merge.get("syncs", [])),
         "every_turns": merge.get("every_turns"),
+        "pooled_turns": [(r["training"] or {}).get("pooled_turns") for r in reports],
     }
 
 
@@ -126,7 +131,8 @@ def main() -> None:
                     help="share counts (one one-CPU node each; more than the cores is unfair)")  # fmt: skip
     ap.add_argument("--variants", nargs="+", default=["default"],
                     help="how shares join: default (gbray round's own flags), "
-                    "outer_lr:outer_momentum every --sync-minutes, or end (cat at the end)")  # fmt: skip
+                    "outer_lr:outer_momentum every --sync-minutes, pool (the average every "
+                    "--sync-minutes and every step's gradients pooled), or end (cat at the end)")  # fmt: skip
     ap.add_argument("--sync-minutes", type=float, default=0.15,
                     help="the fastest share's time between syncs")  # fmt: skip
     ap.add_argument("--lockstep", nargs="*", choices=["sqrt", "linear"], default=[],

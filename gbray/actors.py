@@ -125,9 +125,10 @@ class AveragerLink:
     def __init__(self, averager, index: int):
         self.averager, self.index = averager, index
         self.every_turns = float("inf")
+        self.pools = False
 
     def join(self, weights: dict) -> dict:
-        self.every_turns = ray.get(self.averager.every_turns.remote())
+        self.every_turns, self.pools = ray.get(self.averager.every_turns.remote())
         return ray.get(self.averager.join.remote(self.index, weights))
 
     def due(self, turns_since: int) -> bool:
@@ -138,8 +139,16 @@ class AveragerLink:
             return ray.get(self.averager.exchange.remote(self.index, weights, turns))
         except ray.exceptions.RayError as e:  # the driver's machine gone: train on alone
             logging.getLogger(__name__).warning("no averaging: %s", str(e).splitlines()[0])
-            self.every_turns = float("inf")
+            self.every_turns, self.pools = float("inf"), False
             return weights
+
+    def pool(self, grads: dict, turns: int) -> tuple[dict, int]:
+        try:
+            return ray.get(self.averager.pool.remote(self.index, grads, turns))
+        except ray.exceptions.RayError as e:  # the driver's machine gone: train on alone
+            logging.getLogger(__name__).warning("no pooling: %s", str(e).splitlines()[0])
+            self.every_turns, self.pools = float("inf"), False
+            return grads, turns
 
     def leave(self, weights: dict | None, turns: int) -> None:
         # Waited on: the driver reads the global once every share's train call has returned.
@@ -149,24 +158,29 @@ class AveragerLink:
 
 @ray.remote(num_cpus=0, max_concurrency=64)
 class AveragerActor:
-    def __init__(self, outer_lr: float, outer_momentum: float):
+    def __init__(self, outer_lr: float, outer_momentum: float, pools: bool = False):
         from gbray.averaging import Averager
 
         self.averager = Averager(outer_lr, outer_momentum)
         self.every = float("inf")
+        self.pools = pools
 
     def set_every_turns(self, turns: int, speeds: dict[int, float]) -> None:
         self.every = turns
         self.averager.set_speeds(speeds)
 
-    def every_turns(self) -> float:
-        return self.every
+    def every_turns(self) -> tuple[float, bool]:
+        """Turns between syncs, and whether shares pool their step's gradients."""
+        return self.every, self.pools
 
     def join(self, index: int, weights: dict) -> dict:
         return self.averager.join(index, weights)
 
     def exchange(self, index: int, weights: dict, turns: int) -> dict:
         return self.averager.exchange(index, weights, turns)
+
+    def pool(self, index: int, grads: dict, turns: int) -> tuple[dict, int]:
+        return self.averager.pool(index, grads, turns)
 
     def leave(self, index: int, weights: dict | None, turns: int) -> None:
         self.averager.leave(index, weights, turns)
@@ -178,7 +192,10 @@ class AveragerActor:
         """The global adapter written to `out` (on the driver's machine); what round.json keeps."""
         from gbray.averaging import save_merged
 
-        return save_merged(self.averager, self.every, Path(template), Path(out))
+        return {
+            **save_merged(self.averager, self.every, Path(template), Path(out)),
+            "pool_gradients": self.pools,
+        }
 
 
 # An exam is pure, so a lost examiner (its machine gone before or while it ran) is started

@@ -17,6 +17,13 @@ bring in an even round (the jitter of equal shares) and in proportion beyond tha
 Nesterov momentum is updated once per outer step (as many arrivals as there are shares: the
 delayed Nesterov of Async Local-SGD), so a fast share does not build momentum on its own.
 
+With pooled gradients (`--pool-gradients`) the shares also come closer to one trainer taking
+steps on all their turns at once: at every step a share hands the averager its step's gradient
+and takes back the mean of it and every other share's newest gradient it has not taken yet
+(weighted by turns), and its own Adam steps on that at sqrt(turns pooled / its own) times the
+rate, Adam's rule for a larger batch. Nobody waits: a share whose partner has not stepped since
+steps on its own turns. The positions are still averaged every few turns as above.
+
 Outer lr 1 without momentum is the plain average of the shares' movements; outer lr = shares is
 their sum (each share's turns count as if one trainer had trained them in turn). The choice and
 its figures: the README's shares night. Optimizer moments stay in each share.
@@ -90,6 +97,10 @@ class Averager:
         self.syncs: list[Sync] = []
         self.speeds: dict[int, float] = {}  # share -> speed relative to the fastest (1 unknown)
         self.lock = threading.Lock()
+        # Pooled gradients: share -> (post number, its newest step's gradients, their turns), and
+        # (reader, writer) -> the writer's last post the reader took.
+        self.board: dict[int, tuple[int, dict, int]] = {}
+        self.taken: dict[tuple[int, int], int] = {}
 
     def set_speeds(self, speeds: dict[int, float]) -> None:
         """The shares' measured speeds. A movement is scaled by outer_lr over the live shares'
@@ -133,6 +144,23 @@ class Averager:
             self._apply(share, weights, turns, final=False)
             return self._hand(share, like=weights)
 
+    def pool(self, share: int, grads: dict, turns: int) -> tuple[dict, int]:
+        """This share's step's gradients in; out, their mean with each other live share's
+        newest step it has not taken yet, weighted by turns, and the turns behind that mean."""
+        with self.lock:
+            number = self.board.get(share, (0, None, 0))[0] + 1
+            self.board[share] = (number, grads, turns)
+            total = {k: v.float() * turns for k, v in grads.items()}
+            pooled = turns
+            for other, (posted, theirs, t) in self.board.items():
+                if other == share or self.taken.get((share, other), 0) >= posted:
+                    continue
+                self.taken[(share, other)] = posted
+                for k in total:
+                    total[k] += theirs[k].float() * t
+                pooled += t
+            return {k: (v / pooled).to(grads[k].dtype) for k, v in total.items()}, pooled
+
     def leave(self, share: int, weights: dict | None = None, turns: int = 0) -> None:
         """A share is done: its last movement (if it trained since its last sync) is applied."""
         with self.lock:
@@ -141,11 +169,13 @@ class Averager:
             if weights is not None and turns > 0:
                 self._apply(share, weights, turns, final=True)
             del self.given[share]
+            self.board.pop(share, None)
             self.members[share].left_minute = self.minute()
 
     def drop(self, share: int) -> None:
         """A share whose machine went away: what it synced stays in the global."""
         with self.lock:
+            self.board.pop(share, None)
             if self.given.pop(share, None) is not None:
                 self.members[share].left_minute = self.minute()
 
@@ -205,8 +235,9 @@ class LocalLink:
     """A share's side of the averaging when the averager is in its own process (the trainer's
     `sync`; gbray.actors.AveragerLink is the same over Ray): a sync every `every_turns` turns."""
 
-    def __init__(self, averager: Averager, index: int, every_turns: float):
+    def __init__(self, averager: Averager, index: int, every_turns: float, pools: bool = False):
         self.averager, self.index, self.every_turns = averager, index, every_turns
+        self.pools = pools
 
     def join(self, weights: dict) -> dict:
         return self.averager.join(self.index, weights)
@@ -216,6 +247,9 @@ class LocalLink:
 
     def exchange(self, weights: dict, turns: int) -> dict:
         return self.averager.exchange(self.index, weights, turns)
+
+    def pool(self, grads: dict, turns: int) -> tuple[dict, int]:
+        return self.averager.pool(self.index, grads, turns)
 
     def leave(self, weights: dict | None, turns: int) -> None:
         self.averager.leave(self.index, weights, turns)

@@ -119,7 +119,9 @@ class LocalCluster:
             if hub.stopped():
                 raise Stopped("stopped by the owner during training")
             share.turns = part
-            link = LocalLink(averager, share.index, every) if averager else None
+            link = (
+                LocalLink(averager, share.index, every, night.pool_gradients) if averager else None
+            )
             trainer = self.trainer(night.job.for_share(share.index), share_hub, link)
             summary = trainer.train(train[at : at + part], val)
             at += part

@@ -377,6 +377,7 @@ class Round:
             average_every_seconds=average_every_seconds(s),
             outer_lr=s.outer_lr,
             outer_momentum=s.outer_momentum,
+            pool_gradients=s.pool_gradients,
             joins=s.share_joins,
             options=list(s.share_options),
         )
@@ -415,7 +416,8 @@ class Round:
             m = trained.merged
             self.note(
                 f"merged {len(survivors)} shares: the averager's global adapter after "
-                f"{len(m['syncs'])} syncs (outer lr {m['outer_lr']}, momentum {m['outer_momentum']})"
+                f"{len(m['syncs'])} syncs (outer lr {m['outer_lr']}, momentum {m['outer_momentum']}"
+                f"{'; every step its gradients pooled' if m.get('pool_gradients') else ''})"
                 f"{stale_syncs(m['syncs'])}"
             )
             self.record.merge, self.record.adapter = {"method": "outer", **m}, m["folder"]

@@ -330,6 +330,12 @@ class RoundSettings:
     outer_momentum: float = setting(
         0.0, "the averager's Nesterov momentum, updated once per outer step (0: none)"
     )
+    pool_gradients: bool = setting(
+        False,
+        "shares pool every step's gradients: each steps on its own and the other shares' newest "
+        "(not yet taken), at sqrt(turns pooled / its own) times the rate; nobody waits (needs "
+        "averaging)",
+    )
     share_joins: bool = setting(
         False,
         "keep a part of the slice back (one share's worth) for a machine that joins the cluster "
@@ -383,6 +389,8 @@ class RoundSettings:
             problems.append("--share-average-minutes must be >= 0")
         if not self.outer_lr > 0 or not 0 <= self.outer_momentum < 1:
             problems.append("--outer-lr must be > 0 and --outer-momentum in [0, 1)")
+        if self.pool_gradients and self.share_average_minutes == 0:
+            problems.append("--pool-gradients needs averaging (--share-average-minutes > 0)")
         if self.share_joins and self.share_average_minutes == 0:
             problems.append("--share-joins needs averaging (--share-average-minutes > 0)")
         if not self.share_grace > 0:

@@ -48,6 +48,8 @@ class NoSync:
     """A trainer alone: nothing to sync with. Shares that train together get a link to the
     night's averager (`gbray.averaging.Averager`, through its actor)."""
 
+    pools = False  # whether each step's gradients are pooled with the other shares'
+
     def join(self, weights: dict) -> dict:
         return weights
 
@@ -56,6 +58,9 @@ class NoSync:
 
     def exchange(self, weights: dict, turns: int) -> dict:
         return weights
+
+    def pool(self, grads: dict, turns: int) -> tuple[dict, int]:
+        return grads, turns
 
     def leave(self, weights: dict | None, turns: int) -> None:
         return None
@@ -174,6 +179,7 @@ class Trainer:
         self.averaged = 0
         self.sync_seconds = 0.0  # spent handing movements to the averager and taking the global
         self.synced_at = 0  # turn-passes at the last sync with the other shares
+        self.pooled_turns = 0  # other shares' turns taken in by pooled gradients
         self.on_saved = on_saved
         self.start = start_name
         self.resumed: dict | None = None
@@ -316,6 +322,8 @@ class Trainer:
 
     def optimizer_step(self, state: TrainState, rate: float) -> None:
         """One optimizer step at `rate` with what was accumulated (none: nothing moves)."""
+        if state.pending and state.pending_turns and self.sync.pools:
+            rate *= self.pool_gradients(state.pending_turns)
         for group in self.optimizer.param_groups:
             group["lr"] = rate
         if state.pending:
@@ -329,6 +337,20 @@ class Trainer:
         state.shared_steps += state.shared_pending
         state.shared_pending = False
         state.steps += 1
+
+    def pool_gradients(self, turns: int) -> float:
+        """This step's gradients pooled with the other shares' newest (gbray.averaging); returns
+        the factor on the rate, sqrt(turns pooled / this step's)."""
+        began = self.clock()
+        params = {
+            n: p for n, p in self.model.named_parameters() if p.requires_grad and p.grad is not None
+        }
+        pooled, total = self.sync.pool({n: p.grad.detach().cpu() for n, p in params.items()}, turns)
+        for n, p in params.items():
+            p.grad.copy_(pooled[n])
+        self.sync_seconds += self.clock() - began
+        self.pooled_turns += total - turns
+        return math.sqrt(total / turns)
 
     def adapter_weights(self) -> dict:
         from peft import get_peft_model_state_dict
@@ -832,6 +854,7 @@ class Trainer:
             choices=self.choices.as_dict(),
             averaged=self.averaged,
             sync_minutes=round(self.sync_seconds / 60, 3),
+            pooled_turns=self.pooled_turns,
             shared_prefix_steps=state.shared_steps,
             spared_tokens_share=round(state.spared / state.tokens, 4) if state.tokens else None,
         )

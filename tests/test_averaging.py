@@ -117,6 +117,8 @@ def test_a_share_that_left_or_was_dropped_keeps_what_it_synced():
 class ZeroingSync:
     """Every exchange hands back zeros, as if the other shares had learned nothing."""
 
+    pools = False
+
     def __init__(self):
         self.joined, self.exchanges, self.turns, self.left = 0, 0, [], None
 
@@ -180,3 +182,63 @@ def test_a_slow_share_counts_by_its_speed_and_does_not_slow_the_fast_one():
     # one's, handed the start 90 turns of the other's ago, counts 2 x 30 / 90 of that.
     assert torch.allclose(averager.state.weights["a"], torch.full((2, 3), 3 * 0.75 + 0.5))
     assert [s.weight for s in averager.syncs] == [0.75, 0.75, 0.75, 0.5]
+
+
+def test_pooled_gradients_are_the_turn_weighted_mean_of_each_share_s_newest_step_taken_once():
+    averager = Averager(clock=Clock())
+    for share in (0, 1, 2):
+        averager.join(share, weights(0.0))
+    # The first to step finds nothing on the board: its own gradient, its own turns.
+    mine, turns = averager.pool(0, weights(1.0), 8)
+    assert turns == 8 and torch.equal(mine["a"], weights(1.0)["a"])
+    averager.pool(1, weights(4.0), 4)  # takes share 0's step
+    # Share 2 takes both newest steps, each weighted by its turns: (2*8 + 1*8 + 4*4) / 20.
+    mine, turns = averager.pool(2, weights(2.0), 8)
+    assert turns == 20 and torch.allclose(mine["a"], torch.full((2, 3), 40 / 20))
+    # Share 1 stepped twice since share 0 last pooled: only its newest counts, and only once.
+    averager.pool(1, weights(7.0), 4)
+    mine, turns = averager.pool(0, weights(1.0), 8)
+    assert turns == 8 + 4 + 8  # share 1's newest and share 2's, share 1's first never
+    assert torch.allclose(mine["b"], torch.full((3,), -(8 * 1 + 4 * 7 + 8 * 2) / 20))
+    mine, turns = averager.pool(0, weights(1.0), 8)
+    assert turns == 8  # nothing new since
+    # A share that left is no longer pooled from.
+    averager.pool(2, weights(5.0), 8)
+    averager.leave(2)
+    assert averager.pool(0, weights(1.0), 8)[1] == 8
+
+
+def test_shares_that_pool_take_in_each_other_s_turns_and_train_on(raw_student, corpus, tmp_path):
+    """Two shares of one night in threads, pooling every step through one averager: each steps
+    on the other's gradients as well as its own, never more turns than the other trained."""
+    import threading
+
+    from gbray.averaging import LocalLink
+
+    train, _ = index_folder(corpus)
+    turns = train.read(list(range(48)))
+    averager = Averager(clock=Clock())
+    night = recipe(hours=6 / 3600, epochs=50, accum=1, val_every_minutes=5)
+    # Built one after the other: loading models in two threads at once is not safe.
+    trainers = [
+        Trainer(str(raw_student), None, night, tmp_path / f"s{i}",
+                sync=LocalLink(averager, i, every_turns=8, pools=True))
+        for i in (0, 1)
+    ]  # fmt: skip
+    ends_at = time.time() + 6
+    done = {}
+
+    def share(i: int) -> None:
+        done[i] = trainers[i].train(turns[i * 20 : i * 20 + 20], turns[40:44], ends_at)
+
+    runs = [threading.Thread(target=share, args=(i,)) for i in (0, 1)]
+    for run in runs:
+        run.start()
+    for run in runs:
+        run.join()
+    for i in (0, 1):
+        mine, other = done[i], done[1 - i]
+        assert mine.why == "time" and mine.steps > 2, mine
+        assert 0 < mine.pooled_turns <= other.turn_passes, (mine.pooled_turns, other.turn_passes)
+        assert all(torch.isfinite(v).all() for v in averager.state.weights.values())
+    assert done[0].sync_minutes > 0

@@ -1,6 +1,8 @@
 """The round's decisions, without Ray and in milliseconds: how the baseline is had, what the
 result exam takes after shares, and a night whose every share was lost."""
 
+from pathlib import Path
+
 import pytest
 
 from gbray.round import baseline_plan, check_survivors, merge_plan
@@ -47,3 +49,13 @@ def test_a_night_whose_every_share_was_lost_fails_naming_why():
     check_survivors(Trained(shares(0, 1)))  # one survived: nothing to say
     with pytest.raises(RuntimeError, match="no share survived: share 0: its machine went away"):
         check_survivors(Trained(shares(0, 1, 2)))
+
+
+def test_pooled_gradients_need_shares_that_sync():
+    from gbray.settings import RoundSettings
+
+    RoundSettings(data=Path("d"), shares=2, pool_gradients=True).validate()
+    with pytest.raises(ValueError, match="--pool-gradients needs averaging"):
+        RoundSettings(
+            data=Path("d"), shares=2, pool_gradients=True, share_average_minutes=0
+        ).validate()
