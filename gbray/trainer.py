@@ -345,7 +345,9 @@ class Trainer:
         params = {
             n: p for n, p in self.model.named_parameters() if p.requires_grad and p.grad is not None
         }
-        pooled, total = self.sync.pool({n: p.grad.detach().cpu() for n, p in params.items()}, turns)
+        # A copy: an averager in this process keeps what it is handed, and p.grad is overwritten.
+        mine = {n: p.grad.detach().to("cpu", copy=True) for n, p in params.items()}
+        pooled, total = self.sync.pool(mine, turns)
         for n, p in params.items():
             p.grad.copy_(pooled[n])
         self.sync_seconds += self.clock() - began
