@@ -8,9 +8,11 @@ merge is about the fast share's adapter).
 The tests' learnable corpus (14 tools, 180-token pages) and student (pre-trained 420 steps), a
 150-turn paper. Prints JSON: each night's merge and each share's own adapter on the paper, the
 turn-passes, the slow share's syncs (staleness, freshness, weight), per variant the mean over
-the seeds, and the synced nights' merge over the apart nights'.
+the seeds, and each variant's merge over the apart nights'. `--variants ... pooled` adds
+nights that also pool every step's gradients (`--pool-gradients`).
 
     python benchmarks/shares_slow.py                 # seeds 1 2 3, about 10 minutes on 2 cores
+    python benchmarks/shares_slow.py --variants apart synced pooled   # about 15 minutes
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from night_runs import prepare_learnable, simulated_cluster  # noqa: E402
 
 log = logging.getLogger("shares_slow")
+VARIANTS = ("apart", "synced", "pooled")
 
 
-def night(data: Path, student: Path, out: Path, seed: int, paper: int, every: float, pause: float):
+def night(data: Path, student: Path, out: Path, seed: int, paper: int, every: float, pause: float,
+          pool: bool = False):  # fmt: skip
     from gbray.round import run_round
     from gbray.settings import Recipe, RoundSettings
 
@@ -44,6 +48,7 @@ def night(data: Path, student: Path, out: Path, seed: int, paper: int, every: fl
         RoundSettings(
             data=data, model=str(student), out=out, shares=2, share_options=({}, slow),
             skip_baseline=True, examine_shares=True, recipe=recipe, share_average_minutes=every,
+            pool_gradients=pool,
         )
     )  # fmt: skip
     reports = record["share_reports"]
@@ -52,6 +57,7 @@ def night(data: Path, student: Path, out: Path, seed: int, paper: int, every: fl
         "merge_pct": record["result"]["agreement_pct"],
         "shares_pct": [r["exam"]["agreement_pct"] for r in reports],
         "turn_passes": [r["training"]["turn_passes"] for r in reports],
+        "pooled_turns": [r["training"].get("pooled_turns") for r in reports],
         "slow_share_syncs": [
             {k: s.get(k) for k in ("turns", "staleness", "freshness", "weight", "final")}
             for s in syncs
@@ -72,6 +78,9 @@ def main() -> None:
         "--sync-minutes", type=float, default=0.1, help="the fast share's sync interval"
     )
     ap.add_argument("--pause", type=float, default=0.4, help="the slow share's pause a turn, s")
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=["apart", "synced"],
+                    help="apart (no syncs, cat at the end: the baseline), synced (the average "
+                    "every --sync-minutes), pooled (synced, and --pool-gradients)")  # fmt: skip
     ap.add_argument("--work", type=Path, default=Path("/tmp/gbray-bench-slow"))
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
@@ -82,9 +91,11 @@ def main() -> None:
     try:
         ray.init(address=cluster.address)
         for seed in args.seeds:
-            for variant, every in (("apart", 0.0), ("synced", args.sync_minutes)):
+            for variant in args.variants:
                 out = args.work / f"{variant}-seed{seed}"
-                row = night(data, student, out, seed, args.paper, every, args.pause)
+                every = 0.0 if variant == "apart" else args.sync_minutes
+                row = night(data, student, out, seed, args.paper, every, args.pause,
+                            pool=variant == "pooled")  # fmt: skip
                 row.update(variant=variant, seed=seed)
                 nights.append(row)
                 log.info("%s, seed %d: merge %.1f%%, shares %s [%.0f min in]", variant, seed,
@@ -94,7 +105,7 @@ def main() -> None:
         cluster.shutdown()
     means = {
         v: round(statistics.mean(n["merge_pct"] for n in nights if n["variant"] == v), 2)
-        for v in ("apart", "synced")
+        for v in args.variants
     }
     print(
         json.dumps(
@@ -104,7 +115,9 @@ def main() -> None:
                 "paper": args.paper,
                 "nights": nights,
                 "merge_pct_mean": means,
-                "synced_over_apart": round(means["synced"] / means["apart"], 3),
+                "over_apart": {
+                    v: round(means[v] / means["apart"], 3) for v in means if "apart" in means
+                },
                 "wall_minutes": round((time.monotonic() - started) / 60, 1),
             },
             indent=2,
