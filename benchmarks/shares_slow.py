@@ -115,9 +115,9 @@ def main() -> None:
                 "paper": args.paper,
                 "nights": nights,
                 "merge_pct_mean": means,
-                "over_apart": {
-                    v: round(means[v] / means["apart"], 3) for v in means if "apart" in means
-                },
+                "over_apart": {v: round(m / means["apart"], 3) for v, m in means.items()}
+                if "apart" in means
+                else {},
                 "wall_minutes": round((time.monotonic() - started) / 60, 1),
             },
             indent=2,
