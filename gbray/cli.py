@@ -32,7 +32,7 @@ log = logging.getLogger("gbray")
 # defaults (SPEC §5) are for a 0.5B student over a night.
 DEMO_RECIPE = Recipe(
     **TINY_HINTS,
-    hours=3.0 / 60,
+    hours=2.0 / 60,
     epochs=3,
     turns=2400,
     exam_turns=120,

@@ -136,7 +136,7 @@ def test_a_shares_night_on_a_lan_of_three_machines_loses_one(lan, learnable):
         [
             "ip", "netns", "exec", f"{PREFIX}-head", sys.executable, "-m", "gbray.cli", "round",
             "--address", "auto", "--shares", "2", "--data", str(corpus), "--model", str(student),
-            "--out", str(out), "--hours", str(1.2 / 60), "--epochs", "50", "--turns", "240",
+            "--out", str(out), "--hours", str(1.0 / 60), "--epochs", "50", "--turns", "240",
             "--lr", "3e-3", "--batch", "4", "--accum", "1", "--lora-r", "8", "--lora-alpha", "16",
             "--max-len", "384", "--val-every-minutes", "0.25", "--exam-turns", "40",
             "--answer-budget", "24", "--seed", "5", "--threads", "1", "--skip-baseline",

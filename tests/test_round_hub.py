@@ -152,7 +152,8 @@ def test_round_with_the_hub_down_throughout(ray_local, corpus, raw_student, tmp_
     from gbray.round import run_round
 
     dead = f"http://127.0.0.1:{free_port()}"
-    record = run_round(settings(dead, "t", corpus, raw_student, tmp_path / "r"))
+    short = quick_recipe(hours=0.2 / 60)
+    record = run_round(settings(dead, "t", corpus, raw_student, tmp_path / "r", recipe=short))
     assert record["status"] == "done" and record["hub_round"] is None
     assert record["baseline"] and record["result"]
     on_disk = json.loads((tmp_path / "r" / "round.json").read_text())
@@ -511,7 +512,7 @@ def test_a_tls_hub_serves_a_round_to_a_device_given_its_ca_and_no_token_to_one_w
     try:
         trusted = run_round(
             settings(hub.url, hub.device, corpus, raw_student, tmp_path / "r",
-                     ca=tmp_path / "ca.pem")
+                     ca=tmp_path / "ca.pem", recipe=quick_recipe(hours=0.2 / 60))
         )  # fmt: skip
         # Without the CA the hub cannot be verified: the device says so, sends no token, and
         # its night (here a measuring one) ends on its own --data.

@@ -4,6 +4,7 @@ what the result exam takes after shares (merged, averaged, the one survivor, the
 `merge:` syntax)."""
 
 import json
+import shutil
 
 import pytest
 import requests
@@ -32,11 +33,20 @@ def night(corpus, student, out, cluster=None, **kw) -> dict:
 
 
 def test_a_round_in_one_process_trains_and_examines_its_start_before(corpus, raw_student, tmp_path):
-    record = night(corpus, raw_student, tmp_path / "r")
+    # A bad line of each kind in the slice's file: counted in round.json, never fatal.
+    data = tmp_path / "data"
+    shutil.copytree(corpus, data)
+    with open(data / "train.jsonl", "a") as f:
+        f.write('not json at all\n{"job": "x", "messages": []}\n')
+    record = night(data, raw_student, tmp_path / "r")
     assert record["status"] == "done", record.get("why")
+    assert record["bad_lines"]["train"]["total"] == 2
     assert record["baseline"]["turns"] == record["result"]["turns"] == 12
     assert record["turn_passes"] >= 24
     assert (tmp_path / "r" / "best" / "adapter_config.json").is_file()
+    # The resolved recipe is written beside the adapter, each value with where it came from.
+    written = json.loads((tmp_path / "r" / "recipe.json").read_text())
+    assert written["lr"] == 1e-3 and written["why"]["lr"]
 
 
 @pytest.fixture(scope="module")

@@ -77,7 +77,7 @@ def test_a_two_share_round_from_one_command_on_three_nodes_through_a_hub(learnab
                 sys.executable, str(EXAMPLES / "shares_night.py"), "--address", c.address,
                 "--shares", "2", "--hub", hub.url, "--device-token", hub.device,
                 "--owner-token", hub.owner, "--data", str(corpus), "--model", str(student),
-                "--out", str(out), "--hours", "0.05", "--recipe", json.dumps(recipe),
+                "--out", str(out), "--hours", "0.04", "--recipe", json.dumps(recipe),
             ],
             capture_output=True, text=True, timeout=900,
         )  # fmt: skip
@@ -119,7 +119,7 @@ def test_a_two_share_round_from_one_command_on_three_nodes_through_a_hub(learnab
     # 56), so one night's mean is mostly the exam's noise. Whether the merge beats the best share
     # is asked over seeds by benchmarks/shares_scaling.py.
     assert all(r["training"]["averaged"] >= 5 for r in reports), reports
-    assert record["share_average_seconds"] == pytest.approx(0.05 * 3600 / 40)
+    assert record["share_average_seconds"] == pytest.approx(0.04 * 3600 / 40)
     assert merged > baseline + 20, (merged, shares, baseline)
     assert merged >= min(shares) - 2, (merged, shares, baseline)
     assert "baseline exam beside the shares" in (out / "progress.log").read_text() or any(
@@ -162,10 +162,10 @@ def test_a_slow_share_syncs_less_and_does_not_hold_the_fast_one_back(learnable, 
     # 0.4 s a turn (a sleep: no CPU taken): at least twice a turn's own time on the machines
     # seen (0.04 to 0.2 s on a one-CPU node).
     slow = {"runtime_env": {"env_vars": {"GBRAY_SIMULATED_SLOWDOWN": "0.4"}}}
-    # Time-bound nights (more epochs than the minute allows), with and without the slow share.
+    # Time-bound 42-second nights (more epochs than that allows), with and without the slow share.
     # Syncs every 6 s: a sync's fixed cost (~0.15 s here) is then the few percent it is in a real
-    # night (every 2 minutes); the default for a one-minute night (every 1.5 s) would cost 10%.
-    night = quick(hours=1.0 / 60, epochs=50, turns=240, val_every_minutes=0.3)
+    # night (every 2 minutes); the default for so short a night (every second) would cost 15%.
+    night = quick(hours=0.7 / 60, epochs=50, turns=240, val_every_minutes=0.3)
 
     def night_of_two(name, every_minutes):
         return run_round(
@@ -207,7 +207,7 @@ def test_a_slow_share_syncs_less_and_does_not_hold_the_fast_one_back(learnable, 
     # it to 20%. A fast share that waited for the slow one would go at its pace, a quarter.
     passes, without = fast["training"]["turn_passes"], (before + after) / 2
     assert abs(passes - without) <= 0.2 * without, (passes, before, after)
-    # What it spent syncing is in its report, a small part of its minute.
+    # What it spent syncing is in its report, a small part of its night.
     assert 0 < fast["training"]["sync_minutes"] < 0.1 * fast["training"]["training_minutes"]
     # Syncs come every so many turns, so the slow share syncs less often; each sync counts the
     # turns behind it, and every turn a share trained is in its syncs (the last when it left).
@@ -242,7 +242,7 @@ def test_a_machine_that_joins_mid_night_gets_a_share_of_its_own(learnable, tmp_p
         ray.init(address=c.address)
         settings = RoundSettings(
             data=corpus, model=str(student), out=out, shares=2, share_joins=True,
-            skip_baseline=True, recipe=quick(hours=1.5 / 60, epochs=50, turns=240),
+            skip_baseline=True, recipe=quick(hours=1.0 / 60, epochs=50, turns=240),
         )  # fmt: skip
         runner = threading.Thread(
             target=lambda: result.update(record=run_round(settings)), daemon=True
