@@ -77,7 +77,7 @@ def test_a_two_share_round_from_one_command_on_three_nodes_through_a_hub(learnab
                 sys.executable, str(EXAMPLES / "shares_night.py"), "--address", c.address,
                 "--shares", "2", "--hub", hub.url, "--device-token", hub.device,
                 "--owner-token", hub.owner, "--data", str(corpus), "--model", str(student),
-                "--out", str(out), "--hours", "0.04", "--recipe", json.dumps(recipe),
+                "--out", str(out), "--hours", "0.03", "--recipe", json.dumps(recipe),
             ],
             capture_output=True, text=True, timeout=900,
         )  # fmt: skip
@@ -119,7 +119,7 @@ def test_a_two_share_round_from_one_command_on_three_nodes_through_a_hub(learnab
     # 56), so one night's mean is mostly the exam's noise. Whether the merge beats the best share
     # is asked over seeds by benchmarks/shares_scaling.py.
     assert all(r["training"]["averaged"] >= 5 for r in reports), reports
-    assert record["share_average_seconds"] == pytest.approx(0.04 * 3600 / 40)
+    assert record["share_average_seconds"] == pytest.approx(0.03 * 3600 / 40)
     assert merged > baseline + 20, (merged, shares, baseline)
     assert merged >= min(shares) - 2, (merged, shares, baseline)
     assert "baseline exam beside the shares" in (out / "progress.log").read_text() or any(
@@ -158,7 +158,9 @@ def test_a_slow_share_syncs_less_and_does_not_hold_the_fast_one_back(learnable, 
     from gbray.round import run_round
     from gbray.settings import RoundSettings
 
-    c, _ = cluster("laptop", "desktop", head_cpus=0)
+    # Four one-CPU machines: two for the shares night, two for the night without the slow
+    # share, run side by side.
+    c, _ = cluster("laptop", "desktop", "laptop-2", "desktop-2", head_cpus=0)
     # 0.4 s a turn (a sleep: no CPU taken): at least twice a turn's own time on the machines
     # seen (0.04 to 0.2 s on a one-CPU node).
     slow = {"runtime_env": {"env_vars": {"GBRAY_SIMULATED_SLOWDOWN": "0.4"}}}
@@ -166,9 +168,10 @@ def test_a_slow_share_syncs_less_and_does_not_hold_the_fast_one_back(learnable, 
     # Syncs every 6 s: a sync's fixed cost (~0.15 s here) is then the few percent it is in a real
     # night (every 2 minutes); the default for so short a night (every second) would cost 15%.
     night = quick(hours=0.7 / 60, epochs=50, turns=240, val_every_minutes=0.3)
+    nights = {}
 
     def night_of_two(name, every_minutes):
-        return run_round(
+        nights[name] = run_round(
             RoundSettings(
                 data=corpus, model=str(student), out=tmp_path / name, shares=2,
                 share_options=({}, slow), skip_baseline=True, recipe=night,
@@ -178,18 +181,24 @@ def test_a_slow_share_syncs_less_and_does_not_hold_the_fast_one_back(learnable, 
 
     try:
         ray.init(address=c.address)
-        # The night without it: the same two machines, each training its own part and never
-        # syncing (they meet only in the merge), so the fast one's night has nothing of the slow
-        # one in it, and the host carries the same load as in the shares night (both simulated
-        # nodes compute on this host's two CPUs, where a real cluster's machines do not share).
-        # It runs before and after the shares night: this host drifts (such pairs trained 440
-        # then 348 turn-passes within three minutes), and their mean cancels a steady drift.
-        before = night_of_two("apart-before", 0)["share_reports"][0]["training"]["turn_passes"]
-        both = night_of_two("both", 0.1)
-        after = night_of_two("apart-after", 0)["share_reports"][0]["training"]["turn_passes"]
+        # The night without it: two more machines of the same kinds, each training its own part
+        # and never syncing (they meet only in the merge), so its fast share's night has nothing
+        # of the slow one in it. It runs at the same time as the shares night: this host drifts
+        # (two such nights one after the other trained 440 then 348 turn-passes), and side by
+        # side both nights see the same host, the same drift and the same load.
+        side_by_side = [
+            threading.Thread(target=night_of_two, args=args)
+            for args in (("apart", 0), ("both", 0.1))
+        ]
+        for thread in side_by_side:
+            thread.start()
+        for thread in side_by_side:
+            thread.join(timeout=600)
     finally:
         ray.shutdown()
         c.shutdown()
+    both = nights["both"]
+    without = nights["apart"]["share_reports"][0]["training"]["turn_passes"]
     fast, slower = both["share_reports"]
     speeds = fast["probe_turns_per_hour"], slower["probe_turns_per_hour"]
     assert speeds[0] > 2 * speeds[1], speeds
@@ -200,13 +209,13 @@ def test_a_slow_share_syncs_less_and_does_not_hold_the_fast_one_back(learnable, 
     assert abs(minutes[0] - minutes[1]) <= 0.3 + 0.1, minutes  # one validation interval
     began = [r["training"]["schedule"]["cooldown_began_minute"] for r in (fast, slower)]
     assert all(b is not None for b in began) and abs(began[0] - began[1]) <= 0.3 + 0.1, began
-    # Nobody waits: the fast share trains about what it trains in the night without it. Issue 18
-    # asks within 10%; on an AVX2-only 2-core host it measured 0.65 to 1.08 of a night without
-    # it (9 runs, against a night alone or apart; its syncs' own wait 2% of a minute), and two
-    # nights without it differ by up to 20% there, so 10% does not always hold and this holds
-    # it to 20%. A fast share that waited for the slow one would go at its pace, a quarter.
-    passes, without = fast["training"]["turn_passes"], (before + after) / 2
-    assert abs(passes - without) <= 0.2 * without, (passes, before, after)
+    # Nobody waits: the fast share trains what it trains in the night without it, within 10%
+    # (issue 18). Side by side it measured 0.992 to 0.996 of it here (three runs, 644 to 716
+    # turn-passes); nights one after the other differed by up to 20% on an AVX2-only host. A
+    # fast share that waited for the slow one would go at its pace, a quarter.
+    passes = fast["training"]["turn_passes"]
+    print(f"fast share: {passes} turn-passes; without the slow share: {without}")
+    assert abs(passes - without) <= 0.1 * without, (passes, without)
     # What it spent syncing is in its report, a small part of its night.
     assert 0 < fast["training"]["sync_minutes"] < 0.1 * fast["training"]["training_minutes"]
     # Syncs come every so many turns, so the slow share syncs less often; each sync counts the
