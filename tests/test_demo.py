@@ -1,7 +1,7 @@
 """`gbray demo` end to end, on its embedded defaults (the README's first command), and the round it
 ran checked in full: a whole round on real Ray through a real hub, with a tiny student pre-trained
-here, on a corpus of other tools and lengths than the defaults. The slowest test module (about four
-minutes): one demo serves every check."""
+here, on a corpus of other tools and lengths than the defaults. The slowest test module (about
+three and a half minutes): one demo serves every check."""
 
 import json
 import os
