@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -168,10 +169,9 @@ def test_a_slow_share_syncs_less_and_does_not_hold_the_fast_one_back(learnable, 
     # Syncs every 6 s: a sync's fixed cost (~0.15 s here) is then the few percent it is in a real
     # night (every 2 minutes); the default for so short a night (every second) would cost 15%.
     night = quick(hours=0.7 / 60, epochs=50, turns=240, val_every_minutes=0.3)
-    nights = {}
 
     def night_of_two(name, every_minutes):
-        nights[name] = run_round(
+        return run_round(
             RoundSettings(
                 data=corpus, model=str(student), out=tmp_path / name, shares=2,
                 share_options=({}, slow), skip_baseline=True, recipe=night,
@@ -186,19 +186,16 @@ def test_a_slow_share_syncs_less_and_does_not_hold_the_fast_one_back(learnable, 
         # of the slow one in it. It runs at the same time as the shares night: this host drifts
         # (two such nights one after the other trained 440 then 348 turn-passes), and side by
         # side both nights see the same host, the same drift and the same load.
-        side_by_side = [
-            threading.Thread(target=night_of_two, args=args)
-            for args in (("apart", 0), ("both", 0.1))
-        ]
-        for thread in side_by_side:
-            thread.start()
-        for thread in side_by_side:
-            thread.join(timeout=600)
+        with ThreadPoolExecutor(2) as pool:
+            apart, both = (
+                pool.submit(night_of_two, "apart", 0),
+                pool.submit(night_of_two, "both", 0.1),
+            )
+            apart, both = apart.result(timeout=600), both.result(timeout=600)
     finally:
         ray.shutdown()
         c.shutdown()
-    both = nights["both"]
-    without = nights["apart"]["share_reports"][0]["training"]["turn_passes"]
+    without = apart["share_reports"][0]["training"]["turn_passes"]
     fast, slower = both["share_reports"]
     speeds = fast["probe_turns_per_hour"], slower["probe_turns_per_hour"]
     assert speeds[0] > 2 * speeds[1], speeds
