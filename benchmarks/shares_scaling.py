@@ -31,6 +31,15 @@ flag), `outer_lr:outer_momentum` (the averager's outer optimizer, syncing every
 `pool` (`--pool-gradients`: the average every `--sync-minutes`, and at every step each share
 steps on its own and the other's newest gradients) or `end` (no syncs: `cat` at the end, the
 exact average of the shares' updates). `--lockstep` adds the bound: N machines in lockstep.
+
+`--bound steps` ends every night by its data instead of its time: one trainer at H trains a
+slice of `--turns-at-h` turns (1,320: what one does in 3 minutes on 150-token pages on 2 cores
+with AVX-512), at 2H twice that, N shares N times that between them, each three epochs, the
+hours only a cap (`--cap-minutes`). The steps are then the same on any host, and a sync
+lengthens a shares night instead of taking steps from it: the way of joining is measured
+without the host's cost of a sync (on 2 cores two shares, the averager and three Ray nodes
+share the CPU, and syncing after every step cost a third of the steps). The issue's measure is
+`--bound time`, the default.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -57,34 +67,64 @@ from night_runs import (  # noqa: E402
 log = logging.getLogger("shares_scaling")
 
 
-def one_trainer(data, student, out: Path, minutes: float, seed: int, paper: int) -> dict:
+@dataclass(frozen=True)
+class Bound:
+    """What ends a night: its time (H minutes), or its data (`turns_at_h` turns for each H's
+    worth of machine-hours, three epochs, `cap_minutes` only a cap)."""
+
+    kind: str
+    turns_at_h: int = 1320
+    cap_minutes: float = 30.0
+
+    def minutes(self, minutes: float) -> float:
+        return minutes if self.kind == "time" else self.cap_minutes
+
+    def flags(self, machine_hs: int) -> list[str]:
+        """`machine_hs`: the night's machine-hours in H (one at 2H: 2; N shares at H: N)."""
+        if self.kind == "time":
+            return []
+        return ["--turns", str(machine_hs * self.turns_at_h), "--epochs", "3"]
+
+    def shares_flags(self, shares: int, minutes_h: float) -> list[str]:
+        """A shares night's: the default syncs every fortieth of the hours, so a night bound
+        by its steps is told to sync as often as one of H minutes does (a variant's own
+        interval, given after, wins)."""
+        if self.kind == "time":
+            return []
+        return [*self.flags(shares), "--share-average-minutes", f"{minutes_h / 40:g}"]
+
+
+def one_trainer(data, student, out: Path, minutes: float, seed: int, paper: int,
+                *flags: str) -> dict:  # fmt: skip
     record = run_round(
-        round_command(data, student, out, minutes, seed, paper, "--skip-baseline"), out
+        round_command(data, student, out, minutes, seed, paper, "--skip-baseline", *flags), out
     )
     return {
         "result_pct": record["result"]["agreement_pct"],
         "turn_passes": record["turn_passes"],
         "steps": record["steps"],
+        "ended_by": record["why"],
         "lr": record["recipe"]["lr"],
         "accum": record["recipe"]["accum"],
     }
 
 
 def lockstep(data, student, out: Path, minutes: float, seed: int, paper: int, machines: int,
-             rate: float, accum: int) -> dict:  # fmt: skip
+             rate: float, accum: int, *flags: str) -> dict:  # fmt: skip
     """N machines in lockstep for `minutes / 2`, at no cost to sync: one trainer for `minutes`
     taking N times the turns a step (accumulated) at `rate`."""
-    flags = ["--skip-baseline", "--accum", str(machines * accum), "--lr", f"{rate:.3g}"]
+    flags = ("--skip-baseline", "--accum", str(machines * accum), "--lr", f"{rate:.3g}", *flags)
     record = run_round(round_command(data, student, out, minutes, seed, paper, *flags), out)
     return {
         "result_pct": record["result"]["agreement_pct"],
         "turn_passes": record["turn_passes"],
         "steps": record["steps"],
+        "ended_by": record["why"],
     }
 
 
 def shares_night(data, student, out: Path, minutes: float, seed: int, paper: int, shares: int,
-                 variant: str, sync_minutes: float) -> dict:  # fmt: skip
+                 variant: str, sync_minutes: float, *flags: str) -> dict:  # fmt: skip
     if variant == "default":
         join = []
     elif variant == "end":
@@ -98,7 +138,9 @@ def shares_night(data, student, out: Path, minutes: float, seed: int, paper: int
     if not (out / "round.json").is_file():
         cluster = simulated_cluster([f"worker{i}" for i in range(shares)])
         try:
-            command = round_command(data, student, out, minutes, seed, paper, "--skip-baseline")
+            command = round_command(
+                data, student, out, minutes, seed, paper, "--skip-baseline", *flags
+            )
             run_round(
                 [*command, "--address", cluster.address, "--shares", str(shares),
                  "--examine-shares", *join],
@@ -114,6 +156,8 @@ def shares_night(data, student, out: Path, minutes: float, seed: int, paper: int
         "turn_passes": sum((r["training"] or {}).get("turn_passes", 0) for r in reports),
         "shares_pct": [(r["exam"] or {}).get("agreement_pct") for r in reports],
         "shares_turn_passes": [(r["training"] or {}).get("turn_passes") for r in reports],
+        "shares_steps": [(r["training"] or {}).get("steps") for r in reports],
+        "shares_ended_by": [(r["training"] or {}).get("why") for r in reports],
         "merge": merge.get("method"),
         "syncs": len(merge.get("syncs", [])),
         "every_turns": merge.get("every_turns"),
@@ -139,6 +183,15 @@ def main() -> None:
                     help="also N machines in lockstep (one trainer for 2H, N times the turns a "
                     "step, the rate times sqrt(N) or N): what data parallelism gives without "
                     "syncing's costs, the bound of any way of joining the shares' turns")  # fmt: skip
+    ap.add_argument("--bound", choices=["time", "steps"], default="time",
+                    help="what ends each night: its time (H minutes; the issue's measure) or its "
+                    "data (--turns-at-h turns a machine-H, three epochs; the steps the same on "
+                    "any host, a sync's cost lengthening the night instead of taking steps)")  # fmt: skip
+    ap.add_argument("--turns-at-h", type=int, default=1320,
+                    help="with --bound steps: the slice one trainer at H trains")  # fmt: skip
+    ap.add_argument("--cap-minutes", type=float, default=30.0,
+                    help="with --bound steps: every night's hours, a cap the data should reach "
+                    "first (each night's `ended_by` says)")  # fmt: skip
     ap.add_argument("--wording", default="alt", help="the corpus' wording (gbray synth --wording)")
     ap.add_argument("--tools", type=int, default=40, help="the corpus' tools (gbray synth --tools)")
     add_corpus_options(ap, turns=8000, work="/tmp/gbray-bench-scaling")
@@ -148,12 +201,16 @@ def main() -> None:
         args.work, args.turns, args.page_tokens, wording=args.wording, tools=args.tools
     )
     H = args.minutes
+    ends = Bound(args.bound, args.turns_at_h, args.cap_minutes)
+    # Nights bound by their steps are kept apart from those bound by their time.
+    tag = "" if args.bound == "time" else f"steps{args.turns_at_h}-"
     started = time.monotonic()
 
     def single(job):
         minutes, seed = job
-        night = one_trainer(data, student, args.work / f"one-{minutes:g}min-seed{seed}",
-                            minutes, seed, args.paper)  # fmt: skip
+        night = one_trainer(data, student, args.work / f"{tag}one-{minutes:g}min-seed{seed}",
+                            ends.minutes(minutes), seed, args.paper,
+                            *ends.flags(round(minutes / H)))  # fmt: skip
         log.info("one trainer, %g min, seed %d: %.1f%% (%d turn-passes) [%.0f min in]", minutes,
                  seed, night["result_pct"], night["turn_passes"],
                  (time.monotonic() - started) / 60)  # fmt: skip
@@ -165,9 +222,10 @@ def main() -> None:
     for seed in args.seeds:
         for n in args.shares:
             for variant in args.variants:
-                out = args.work / f"shares{n}-{variant.replace(':', '_')}-{H:g}min-seed{seed}"
-                night = shares_night(data, student, out, H, seed, args.paper, n, variant,
-                                     args.sync_minutes)  # fmt: skip
+                name = f"{tag}shares{n}-{variant.replace(':', '_')}-{H:g}min-seed{seed}"
+                night = shares_night(data, student, args.work / name, ends.minutes(H), seed,
+                                     args.paper, n, variant, args.sync_minutes,
+                                     *ends.shares_flags(n, H))  # fmt: skip
                 night.update(seed=seed, shares=n, variant=variant)
                 nights.append(night)
                 log.info("%d shares (%s), seed %d: %.1f%%, shares %s [%.0f min in]", n, variant,
@@ -180,11 +238,11 @@ def main() -> None:
             n, rule, seed = job
             one = ones[(H, seed)]
             rate = one["lr"] * (n if rule == "linear" else n**0.5)
-            name = f"lockstep{n}-{2 * H:g}min-seed{seed}" if rule == "linear" else (
-                f"lockstep{n}-{rule}-{2 * H:g}min-seed{seed}"
+            name = f"{tag}lockstep{n}-{2 * H:g}min-seed{seed}" if rule == "linear" else (
+                f"{tag}lockstep{n}-{rule}-{2 * H:g}min-seed{seed}"
             )  # fmt: skip
-            night = lockstep(data, student, args.work / name, 2 * H, seed, args.paper, n, rate,
-                             one["accum"])  # fmt: skip
+            night = lockstep(data, student, args.work / name, ends.minutes(2 * H), seed,
+                             args.paper, n, rate, one["accum"], *ends.flags(n))  # fmt: skip
             log.info("%d machines in lockstep (%s rate), seed %d: %.1f%% (%d steps) [%.0f min in]",
                      n, rule, seed, night["result_pct"], night["steps"],
                      (time.monotonic() - started) / 60)  # fmt: skip
@@ -235,6 +293,8 @@ def main() -> None:
         f"{args.page_tokens} --tools {args.tools}",
         "student": "tiny, pre-trained 450 steps",
         "minutes_H": H,
+        "bound": args.bound,
+        "turns_at_H": args.turns_at_h if args.bound == "steps" else None,
         "seeds": args.seeds,
         "sync_minutes": args.sync_minutes,
         "one_trainer": {
