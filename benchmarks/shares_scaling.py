@@ -54,6 +54,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from gbray.settings import default_average_seconds
+
 sys.path.insert(0, str(Path(__file__).parent))
 from night_runs import (  # noqa: E402
     add_corpus_options,
@@ -86,12 +88,18 @@ class Bound:
         return ["--turns", str(machine_hs * self.turns_at_h), "--epochs", "3"]
 
     def shares_flags(self, shares: int, minutes_h: float) -> list[str]:
-        """A shares night's: the default syncs every fortieth of the hours, so a night bound
-        by its steps is told to sync as often as one of H minutes does (a variant's own
-        interval, given after, wins)."""
+        """A shares night's: its default sync interval follows its hours, so a night bound by
+        its steps is told to sync as often as one of H minutes does (a variant's own interval,
+        given after, wins)."""
         if self.kind == "time":
             return []
-        return [*self.flags(shares), "--share-average-minutes", f"{minutes_h / 40:g}"]
+        every = default_average_seconds(minutes_h / 60) / 60
+        return [*self.flags(shares), "--share-average-minutes", f"{every:g}"]
+
+    @property
+    def tag(self) -> str:
+        """The nights' folder prefix: nights bound by their steps are kept apart."""
+        return "" if self.kind == "time" else f"steps{self.turns_at_h}-"
 
 
 def one_trainer(data, student, out: Path, minutes: float, seed: int, paper: int,
@@ -202,8 +210,7 @@ def main() -> None:
     )
     H = args.minutes
     ends = Bound(args.bound, args.turns_at_h, args.cap_minutes)
-    # Nights bound by their steps are kept apart from those bound by their time.
-    tag = "" if args.bound == "time" else f"steps{args.turns_at_h}-"
+    tag = ends.tag
     started = time.monotonic()
 
     def single(job):

@@ -409,7 +409,12 @@ def average_every_seconds(settings: RoundSettings) -> float:
     turns). Figures: the README's shares night."""
     if settings.share_average_minutes is not None:
         return settings.share_average_minutes * 60
-    return min(120.0, settings.recipe.hours * 3600 / 40)
+    return default_average_seconds(settings.recipe.hours)
+
+
+def default_average_seconds(hours: float) -> float:
+    """A night's sync interval unless it is set: a fortieth of its hours, at most two minutes."""
+    return min(120.0, hours * 3600 / 40)
 
 
 def locate_model(model: str) -> tuple[Path, str]:
