@@ -1,0 +1,123 @@
+"""What one step of staleness costs: why shares that never wait trail two machines in lockstep.
+
+Two machines in lockstep take each step on both machines' turns, every gradient computed at the
+same weights. Shares that never wait can at best take the other machine's newest gradient, which
+was computed a step earlier (`--pool-gradients`). This runs one trainer, in one process, both
+ways on the README's shares night (the tiny student, `gbray synth --wording alt
+--prompt-tokens 150`, 40 tools), with no Ray, no clock and no host in it:
+
+- `fresh`: each step on 16 turns, two groups of 8, both gradients at the current weights (the
+  lockstep; the groups are the two halves of the slice, as two shares would hold them);
+- `stale`: each step on the first group's gradient at the current weights and the second group's
+  gradient of the step before, computed at the weights of the step before (what a share pooling
+  with a partner that never waits gets at best).
+
+- `alone`: one machine: each step on the first group only, at the recipe's rate.
+
+`fresh` and `stale` take the same turns in the same order at the same rate (the recipe's, times sqrt(2) for the
+doubled batch, constant after no warm-up), so what differs is only the age of half of each step's
+gradient. Prints one JSON object: each seed's validation loss after `--steps` steps each way,
+the stale step's loss less the fresh one's, the means, and the part of the fresh step's gain over
+one machine alone that the stale step keeps.
+
+    python benchmarks/stale_gradients.py                  # about 10 minutes on 2 cores
+    python benchmarks/stale_gradients.py --seeds 1 --steps 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from night_runs import add_corpus_options, prepare  # noqa: E402
+
+from gbray.data.fit import make_examples  # noqa: E402
+from gbray.data.turns import index_folder  # noqa: E402
+from gbray.settings import Recipe  # noqa: E402
+from gbray.trainer import Trainer, TrainState  # noqa: E402
+from gbray.work import local_work  # noqa: E402
+
+log = logging.getLogger("stale_gradients")
+WAYS = ("alone", "fresh", "stale")
+
+
+def trained_loss(data: Path, student: Path, work: Path, seed: int, steps: int, way: str) -> float:
+    """The validation loss after `steps` steps taken `way` (one of WAYS)."""
+    recipe = Recipe(lr=1e-3, batch=8, accum=1, max_len=1024, threads=2, precision="float32", seed=seed,
+                    turns=16 * steps + 16, val_turns=64, hours=1.0, exam_turns=150)  # fmt: skip
+    work_items = local_work(data, *index_folder(data), recipe, with_slice=True)
+    trainer = Trainer(str(student), None, recipe, work / f"{way}-{seed}", report=lambda _line: None)
+    trainer.configure(recipe.max_len)
+    examples, _ = make_examples(trainer.tokenizer, work_items.train, recipe.max_len,
+                                recipe.answer_room)  # fmt: skip
+    val, _ = make_examples(trainer.tokenizer, work_items.val, recipe.max_len, recipe.answer_room)
+    half = len(examples) // 2
+    first, second = examples[:half], examples[half:]
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    state, before = TrainState(), None
+    for step in range(steps):
+        group = slice(step * 8, (step + 1) * 8)
+        if way == "alone":
+            trainer.accumulate([first[group]], state)
+            trainer.optimizer_step(state, recipe.lr)
+            continue
+        trainer.accumulate([second[group]], state)
+        now = [p.grad.clone() for p in params]
+        trainer.optimizer.zero_grad(set_to_none=True)
+        trainer.accumulate([first[group]], state)
+        taken = before if way == "stale" and before is not None else now
+        for p, g in zip(params, taken, strict=True):
+            p.grad.add_(g).mul_(0.5)
+        before = now
+        trainer.optimizer_step(state, recipe.lr * math.sqrt(2))
+    return trainer.validation_loss(val)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--steps", type=int, default=120, help="optimizer steps of 16 turns")
+    ap.add_argument("--wording", default="alt")
+    ap.add_argument("--tools", type=int, default=40)
+    add_corpus_options(ap, turns=8000, work="/tmp/gbray-bench-scaling", page_tokens=150)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    data, student = prepare(
+        args.work, args.turns, args.page_tokens, wording=args.wording, tools=args.tools
+    )
+    began = time.monotonic()
+    runs = []
+    for seed in args.seeds:
+        loss = {way: trained_loss(data, student, args.work / "stale", seed, args.steps, way)
+                for way in WAYS}  # fmt: skip
+        runs.append({"seed": seed, **{way: round(v, 4) for way, v in loss.items()},
+                     "stale_minus_fresh": round(loss["stale"] - loss["fresh"], 4)})  # fmt: skip
+        log.info("seed %d: %s [%.1f min in]", seed, runs[-1], (time.monotonic() - began) / 60)
+    differences = [r["stale_minus_fresh"] for r in runs]
+    means = {way: statistics.mean(r[way] for r in runs) for way in WAYS}
+    print(json.dumps({
+        "steps": args.steps,
+        "runs": runs,
+        **{f"{way}_mean": round(v, 4) for way, v in means.items()},
+        "stale_minus_fresh_mean": round(statistics.mean(differences), 4),
+        "stale_over_fresh": round(means["stale"] / means["fresh"], 4),
+        # What the second machine's turns buy: the part of the fresh step's gain over one
+        # machine alone that the stale step keeps.
+        "stale_keeps_of_gain": round(
+            (means["alone"] - means["stale"]) / (means["alone"] - means["fresh"]), 3
+        ),
+        "wall_minutes": round((time.monotonic() - began) / 60, 1),
+    }, indent=2))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
