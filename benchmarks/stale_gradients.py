@@ -48,12 +48,18 @@ log = logging.getLogger("stale_gradients")
 WAYS = ("alone", "fresh", "stale")
 
 
-def trained_loss(data: Path, student: Path, work: Path, seed: int, steps: int, way: str) -> float:
-    """The validation loss after `steps` steps taken `way` (one of WAYS)."""
-    recipe = Recipe(lr=1e-3, batch=8, accum=1, max_len=1024, threads=2, precision="float32", seed=seed,
-                    turns=16 * steps + 16, val_turns=64, hours=1.0, exam_turns=150)  # fmt: skip
-    work_items = local_work(data, *index_folder(data), recipe, with_slice=True)
-    trainer = Trainer(str(student), None, recipe, work / f"{way}-{seed}", report=lambda _line: None)
+def seed_recipe(seed: int, steps: int) -> Recipe:
+    """The tiny student's recipe (its own hints), with a slice of two groups a step."""
+    return Recipe(lr=1e-3, batch=8, accum=1, max_len=1024, threads=2, precision="float32",
+                  seed=seed, turns=16 * steps + 16, val_turns=64, hours=1.0, exam_turns=150)  # fmt: skip
+
+
+def trained_loss(
+    student: Path, work: Path, recipe: Recipe, work_items, steps: int, way: str
+) -> float:
+    """The validation loss after `steps` steps taken `way` (one of WAYS) on the seed's slice."""
+    trainer = Trainer(str(student), None, recipe, work / f"{way}-{recipe.seed}",
+                      report=lambda _line: None)  # fmt: skip
     trainer.configure(recipe.max_len)
     examples, _ = make_examples(trainer.tokenizer, work_items.train, recipe.max_len,
                                 recipe.answer_room)  # fmt: skip
@@ -63,7 +69,7 @@ def trained_loss(data: Path, student: Path, work: Path, seed: int, steps: int, w
     params = [p for p in trainer.model.parameters() if p.requires_grad]
     state, before = TrainState(), None
     for step in range(steps):
-        group = slice(step * 8, (step + 1) * 8)
+        group = slice(step * recipe.batch, (step + 1) * recipe.batch)
         if way == "alone":
             trainer.accumulate([first[group]], state)
             trainer.optimizer_step(state, recipe.lr)
@@ -97,7 +103,9 @@ def main() -> None:
     began = time.monotonic()
     runs = []
     for seed in args.seeds:
-        loss = {way: trained_loss(data, student, args.work / "stale", seed, args.steps, way)
+        recipe = seed_recipe(seed, args.steps)
+        work_items = local_work(data, *index_folder(data), recipe, with_slice=True)
+        loss = {way: trained_loss(student, args.work / "stale", recipe, work_items, args.steps, way)
                 for way in WAYS}  # fmt: skip
         runs.append({"seed": seed, **{way: round(v, 4) for way, v in loss.items()},
                      "stale_minus_fresh": round(loss["stale"] - loss["fresh"], 4)})  # fmt: skip
