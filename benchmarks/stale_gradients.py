@@ -12,16 +12,20 @@ ways on the README's shares night (the tiny student, `gbray synth --wording alt
   gradient of the step before, computed at the weights of the step before (what a share pooling
   with a partner that never waits gets at best).
 
+- `lagged`: the second group's turns of the step before, as `stale` takes them, but their
+  gradient computed at the current weights: it tells the age of the weights from the lag of the
+  turns.
 - `alone`: one machine: each step on the first group only, at the recipe's rate.
 
-`fresh` and `stale` take the same turns in the same order at the same rate (the recipe's, times sqrt(2) for the
-doubled batch, constant after no warm-up), so what differs is only the age of half of each step's
-gradient. Prints one JSON object: each seed's validation loss after `--steps` steps each way,
-the stale step's loss less the fresh one's, the means, and the part of the fresh step's gain over
-one machine alone that the stale step keeps.
+`fresh`, `stale` and `lagged` take the same turns at the same rate (the recipe's, times sqrt(2) for
+the doubled batch, constant after no warm-up); `stale` and `lagged` take the very same turns in the
+same order, so what differs between them is only the weights half of each step's gradient was
+computed at. Prints one JSON object: each seed's validation loss after `--steps` steps each way,
+the means, and the part of the fresh step's gain over one machine alone that the stale and the
+lagged steps keep.
 
-    python benchmarks/stale_gradients.py                  # about 10 minutes on 2 cores
-    python benchmarks/stale_gradients.py --seeds 1 --steps 60
+    python benchmarks/stale_gradients.py                  # about 12 minutes on 2 cores
+    python benchmarks/stale_gradients.py --seeds 1 --steps 60 --ways alone stale
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from gbray.trainer import Trainer, TrainState  # noqa: E402
 from gbray.work import local_work  # noqa: E402
 
 log = logging.getLogger("stale_gradients")
-WAYS = ("alone", "fresh", "stale")
+WAYS = ("alone", "fresh", "stale", "lagged")
 
 
 def seed_recipe(seed: int, steps: int) -> Recipe:
@@ -74,7 +78,10 @@ def trained_loss(
             trainer.accumulate([first[group]], state)
             trainer.optimizer_step(state, recipe.lr)
             continue
-        trainer.accumulate([second[group]], state)
+        # `stale` and `lagged` both take the second group's turns of the step before (the
+        # first group's twice at the start), `fresh` this step's.
+        lag = slice(max(step - 1, 0) * recipe.batch, max(step, 1) * recipe.batch)
+        trainer.accumulate([second[lag if way == "lagged" else group]], state)
         now = [p.grad.clone() for p in params]
         trainer.optimizer.zero_grad(set_to_none=True)
         trainer.accumulate([first[group]], state)
@@ -92,6 +99,13 @@ def main() -> None:
     )
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--steps", type=int, default=120, help="optimizer steps of 16 turns")
+    ap.add_argument(
+        "--ways",
+        nargs="+",
+        choices=WAYS,
+        default=list(WAYS),
+        help="which ways to train (deterministic: a way's figures do not depend on the others run)",
+    )
     ap.add_argument("--wording", default="alt")
     ap.add_argument("--tools", type=int, default=40)
     add_corpus_options(ap, turns=8000, work="/tmp/gbray-bench-scaling", page_tokens=150)
@@ -106,25 +120,27 @@ def main() -> None:
         recipe = seed_recipe(seed, args.steps)
         work_items = local_work(data, *index_folder(data), recipe, with_slice=True)
         loss = {way: trained_loss(student, args.work / "stale", recipe, work_items, args.steps, way)
-                for way in WAYS}  # fmt: skip
-        runs.append({"seed": seed, **{way: round(v, 4) for way, v in loss.items()},
-                     "stale_minus_fresh": round(loss["stale"] - loss["fresh"], 4)})  # fmt: skip
+                for way in args.ways}  # fmt: skip
+        runs.append({"seed": seed, **{way: round(v, 4) for way, v in loss.items()}})
         log.info("seed %d: %s [%.1f min in]", seed, runs[-1], (time.monotonic() - began) / 60)
-    differences = [r["stale_minus_fresh"] for r in runs]
-    means = {way: statistics.mean(r[way] for r in runs) for way in WAYS}
+    means = {way: statistics.mean(r[way] for r in runs) for way in args.ways}
     print(json.dumps({
         "steps": args.steps,
         "runs": runs,
         **{f"{way}_mean": round(v, 4) for way, v in means.items()},
-        "stale_minus_fresh_mean": round(statistics.mean(differences), 4),
-        "stale_over_fresh": round(means["stale"] / means["fresh"], 4),
-        # What the second machine's turns buy: the part of the fresh step's gain over one
-        # machine alone that the stale step keeps.
-        "stale_keeps_of_gain": round(
-            (means["alone"] - means["stale"]) / (means["alone"] - means["fresh"]), 3
-        ),
+        **kept_of_gain(means),
         "wall_minutes": round((time.monotonic() - began) / 60, 1),
     }, indent=2))  # fmt: skip
+
+
+def kept_of_gain(means: dict[str, float]) -> dict[str, float]:
+    """What the second machine's turns buy each way: the part of the fresh step's gain over one
+    machine alone that the stale and the lagged steps keep (where those ways ran)."""
+    gain = means.get("alone", 0.0) - means.get("fresh", 0.0)
+    if "alone" not in means or "fresh" not in means or not gain:
+        return {}
+    return {f"{way}_keeps_of_gain": round((means["alone"] - means[way]) / gain, 3)
+            for way in ("stale", "lagged") if way in means}  # fmt: skip
 
 
 if __name__ == "__main__":
