@@ -78,8 +78,8 @@ def trained_loss(
             trainer.accumulate([first[group]], state)
             trainer.optimizer_step(state, recipe.lr)
             continue
-        # `stale` and `lagged` both take the second group's turns of the step before (the
-        # first group's twice at the start), `fresh` this step's.
+        # `stale` and `lagged` both take the second group's turns of the step before (its
+        # first turns twice, at steps 0 and 1), `fresh` this step's.
         lag = slice(max(step - 1, 0) * recipe.batch, max(step, 1) * recipe.batch)
         trainer.accumulate([second[lag if way == "lagged" else group]], state)
         now = [p.grad.clone() for p in params]
