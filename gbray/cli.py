@@ -208,6 +208,7 @@ def _round_settings(args) -> RoundSettings:
         RoundSettings,
         args,
         recipe=recipe,
+        student_chose=tuple(k for k in hints if not hasattr(args, k)),
         hub=getattr(args, "hub", None) or env("GB_HUB") or None,
         token=getattr(args, "token", None) or env("GB_TOKEN") or env("GBRAY_TOKEN") or None,
         ca=getattr(args, "ca", None) or env("GB_CA") or None,

@@ -1,11 +1,12 @@
 """One round's backbone (SPEC §4): work, baseline, train (one share or N), merge, exam, report.
 Then stop; promotion is not the round's business.
 
-The driver stays light (no torch): where training, exams and the merge run is the round's
-`Cluster` (gbray.ray_cluster on Ray: trainers in their own actors, every exam in a fresh
-examiner actor killed when its exam is done, so an exam never shares a process or an allocator
-with training; gbray.local_cluster: all in this process). Shares are `shares`; the work is
-`work`; the record is `record`.
+The driver stays light: it loads no model (torch comes in only with the student's tokenizer,
+where the paper's tokens are counted to size the student's own window). Where training, exams
+and the merge run is the round's `Cluster` (gbray.ray_cluster on Ray: trainers in their own
+actors, every exam in a fresh examiner actor killed when its exam is done, so an exam never
+shares a process or an allocator with training; gbray.local_cluster: all in this process).
+Shares are `shares`; the work is `work`; the record is `record`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from gbray import record as rec
 from gbray.cluster import Cluster, Exam
+from gbray.data.fit import window_for
 from gbray.data.turns import DataError, index_folder
 from gbray.hub.client import Hub, NoHub
 from gbray.paired import Paired, fallen_name
@@ -33,7 +35,9 @@ from gbray.settings import (
     average_every_seconds,
     chosen_because,
     locate_model,
+    prompt_lengths,
     student_choice,
+    student_context,
 )
 from gbray.shares import Share, ShareNight, Trained, stale_syncs
 from gbray.work import Work, get_work
@@ -107,6 +111,7 @@ class Round:
     def run(self) -> dict:
         self.setup()
         work = self.work()
+        self.size_window(work)
         self.register(work)
         adapter = None
         try:
@@ -150,6 +155,31 @@ class Round:
             self.adapter, self.record.serving = serving_start(self.hub)
             self.start = start_name(self.adapter)
             log.info("hub:serving is %s", self.start)
+
+    def size_window(self, work: Work) -> None:
+        """The student's own max_len (one given is kept) raised to what nine in ten of the
+        paper's turns need unshortened, prompt and answer budget, within the student's context.
+        A window below the data's turns shortens every turn, in training and in the exam, and
+        cuts the history and catalogue the answer depends on. Sized by the paper, which is
+        fixed, so every round on one paper sits the same exam."""
+        r = self.recipe
+        if "max_len" not in self.settings.student_chose or not work.paper:
+            return
+        room = max(r.answer_budget, r.answer_room)
+        needs = [n + room for n in prompt_lengths(self.model, work.paper)]
+        context = student_context(self.model)
+        window = window_for(needs, r.max_len, context)
+        if window == r.max_len:
+            return
+        over = sum(n > r.max_len for n in needs)
+        self.recipe_why["max_len"] = (
+            f"raised from the student's {r.max_len}: {over} of the paper's {len(needs)} turns "
+            f"need more (the prompt and a {room}-token answer); {window} fits nine in ten, "
+            f"within the student's {context} positions"
+        )
+        self.recipe = dataclasses.replace(r, max_len=window)
+        log.info("max_len %d: %s", window, self.recipe_why["max_len"])
+        self.write_recipe()
 
     def new_hub(self) -> Hub:
         """A hub client for one round on the hub (the round's, or a share's)."""
@@ -559,6 +589,7 @@ def run_trial(settings: RoundSettings, cluster: Cluster | None = None) -> dict:
     work = get_work(
         rnd.hub, rnd.local, settings.data, rnd.recipe, with_slice=False, fetch=settings.fetch
     )
+    rnd.size_window(work)
     hub_round = rnd.hub.register(rnd.student_id, 0, rnd.hub_recipe(trial=True))
     status, why, result = "failed", f"trial of {rnd.start} failed", None
     try:

@@ -360,6 +360,9 @@ class RoundSettings:
     )
     # Per share, extra Ray actor options (tests throttle or pin a share with them); not a flag.
     share_options: tuple = ()
+    # The recipe values the student's own recipe gave, no flag: what the round may still size
+    # from its data (the window). Set by the command line, which knows what was given; not a flag.
+    student_chose: tuple[str, ...] = ()
     recipe: Recipe = field(default_factory=Recipe)
 
     def fall_rule(self) -> FallRule:
@@ -568,6 +571,25 @@ def student_choice(
             hints.update(more)
             break
     return Choice(hints, {k: "the student's own recipe_hints (student.json)" for k in hints})
+
+
+def student_context(model: str | Path) -> int:
+    """The longest context the student takes (its config's max_position_embeddings; SPEC's 4096
+    where the config does not say)."""
+    import json
+
+    config = json.loads((Path(model) / "config.json").read_text())
+    return int(config.get("max_position_embeddings") or Recipe.max_len)
+
+
+def prompt_lengths(model: str | Path, turns: list[dict]) -> list[int]:
+    """Each turn's chat prompt in tokens of the student's own tokenizer."""
+    from transformers import AutoTokenizer
+
+    from gbray.data.fit import chat_prompt_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    return [len(chat_prompt_ids(tokenizer, t["system"], t["user"])) for t in turns]
 
 
 def chosen_because(choice: Choice, recipe: Recipe) -> dict:

@@ -71,3 +71,14 @@ def test_collate_masks_padding(tokenizer):
     assert batch["input_ids"].shape == batch["labels"].shape == (2, len(b.input_ids))
     assert (batch["labels"][0, len(a.input_ids) :] == IGNORE).all()
     assert batch["attention_mask"][0].sum() == len(a.input_ids)
+
+
+def test_a_window_fits_nine_in_ten_turns_within_its_floor_and_ceiling():
+    from gbray.data.fit import window_for
+
+    needs = [300] * 9 + [5000]  # one outlier is fitted, not sized for
+    assert window_for(needs, floor=256, ceiling=8192) == 512
+    assert window_for([2847] * 10, floor=1024, ceiling=8192) == 3072
+    assert window_for([2847] * 10, floor=1024, ceiling=2048) == 2048  # the student's context
+    assert window_for([300] * 10, floor=1024, ceiling=8192) == 1024  # never below its floor
+    assert window_for([], floor=1024, ceiling=8192) == 1024

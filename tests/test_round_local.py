@@ -174,3 +174,30 @@ def test_a_baseline_another_device_measures_is_waited_for_then_known_to_the_next
         assert len(known["exam_pids"]) == 1
     finally:
         hub.stop()
+
+
+def test_the_students_own_window_grows_to_the_papers_turns_and_a_given_one_is_kept(
+    raw_student, tmp_path
+):
+    """Turns longer than the tiny student's own max_len (1024, student.json): the round raises
+    it to what nine in ten of the paper's turns need, so training and the exam see them whole;
+    a window the settings give is kept (1024 here, as the command line's `--max-len 1024`), and
+    the exam shortens every turn."""
+    from gbray.data.synth import SynthSettings, write_corpus
+
+    data = tmp_path / "data"
+    write_corpus(SynthSettings(out=data, turns=60, eval_turns=12, seed=7, prompt_tokens=600))
+    own = dict(recipe=recipe(max_len=1024), student_chose=("max_len",))
+    record = night(data, raw_student, tmp_path / "own", **own)
+    assert record["status"] == "done", record.get("why")
+    written = json.loads((tmp_path / "own" / "recipe.json").read_text())
+    window = written["max_len"]
+    assert window > 1024 and window % 256 == 0 and record["recipe"]["max_len"] == window
+    assert "raised from the student's 1024" in written["why"]["max_len"]
+    assert record["baseline"]["shortened"] <= 1 and record["result"]["shortened"] <= 1
+    assert record["shortened"] <= record["turns_trained"] // 5
+
+    given = night(
+        data, raw_student, tmp_path / "given", recipe=recipe(max_len=1024), measure_only=True
+    )
+    assert given["recipe"]["max_len"] == 1024 and given["baseline"]["shortened"] == 12
