@@ -72,6 +72,8 @@ def _join(job: str, observations: list[str], page: str) -> str:
 
 def _longest_prefix(text: str, fits) -> str:
     """The longest prefix of text (whole lines where possible) for which fits(prefix) holds."""
+    if not fits(""):  # nothing of it fits: one call, not a search (a catalogue over the window)
+        return ""
     lo, hi = 0, len(text)
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -97,6 +99,8 @@ def fit_prompt(tokenizer, system: str, user: str, budget: int) -> tuple[list[int
 
     # Oldest observations first: binary search for the fewest dropped that fit.
     lo, hi = 0, len(observations)
+    if size(job, [], page) > budget:  # all go, and more: one call, not a search
+        lo = hi
     while lo < hi:
         mid = (lo + hi) // 2
         if size(job, observations[mid:], page) <= budget:
