@@ -675,15 +675,31 @@ class Trainer:
         random.Random(f"{self.recipe.seed}:{epoch}").shuffle(order)
         return order
 
+    def slice_examples(self, turns: list[dict]) -> tuple[list[Example], int]:
+        """The slice's examples, with a line every 30 s while they take long: a slice of
+        thousands of turns over the window takes minutes to fit."""
+        began = last = self.clock()
+
+        def progress(done: int, shortened: int) -> None:
+            nonlocal last
+            if self.clock() - last >= 30:
+                last = self.clock()
+                self.report(
+                    f"preparing the slice: {done}/{len(turns)} turns, {shortened} shortened to "
+                    f"fit {self.recipe.max_len} tokens, {last - began:.0f} s in"
+                )
+
+        return make_examples(
+            self.tokenizer, turns, self.recipe.max_len, self.recipe.answer_room, progress
+        )
+
     def train(
         self, train_turns: list[dict], val_turns: list[dict], ends_at: float | None = None
     ) -> TrainSummary:
         """Train within the hours; `ends_at` (wall-clock seconds), where given, is when the
         night's budget ends for every share of it, so they keep one clock."""
         recipe = self.recipe
-        examples, shortened = make_examples(
-            self.tokenizer, train_turns, recipe.max_len, recipe.answer_room
-        )
+        examples, shortened = self.slice_examples(train_turns)
         val, _ = make_examples(self.tokenizer, val_turns, recipe.max_len, recipe.answer_room)
         if not examples:
             raise ValueError("no turns to train on")

@@ -82,3 +82,18 @@ def test_a_window_fits_nine_in_ten_turns_within_its_floor_and_ceiling():
     assert window_for([2847] * 10, floor=1024, ceiling=2048) == 2048  # the student's context
     assert window_for([300] * 10, floor=1024, ceiling=8192) == 1024  # never below its floor
     assert window_for([], floor=1024, ceiling=8192) == 1024
+
+
+def test_making_many_examples_says_how_far_it_got(tokenizer, corpus):
+    from gbray.data.fit import make_examples
+    from gbray.data.turns import index_folder
+
+    train, _ = index_folder(corpus)
+    turns = train.read(list(range(25)))
+    said = []
+    examples, shortened = make_examples(
+        tokenizer, turns, 160, 24, progress=lambda *a: said.append(a), every=10
+    )
+    assert [done for done, _ in said] == [10, 20]
+    assert said[-1][1] == sum(e.shortened for e in examples[:20]) > 0
+    assert shortened == sum(e.shortened for e in examples) and len(examples) == 25

@@ -159,10 +159,17 @@ def make_example(tokenizer, turn: dict, max_len: int, answer_room: int) -> Examp
 
 
 def make_examples(
-    tokenizer, turns: list[dict], max_len: int, answer_room: int
+    tokenizer, turns: list[dict], max_len: int, answer_room: int, progress=None, every: int = 500
 ) -> tuple[list[Example], int]:
-    examples = [make_example(tokenizer, t, max_len, answer_room) for t in turns]
-    return examples, sum(e.shortened for e in examples)
+    """Examples of `turns` and how many were shortened; `progress(done, shortened)` is called
+    after every `every` turns (fitting thousands of over-long turns takes minutes)."""
+    examples, shortened = [], 0
+    for done, turn in enumerate(turns, start=1):
+        examples.append(make_example(tokenizer, turn, max_len, answer_room))
+        shortened += examples[-1].shortened
+        if progress is not None and done % every == 0:
+            progress(done, shortened)
+    return examples, shortened
 
 
 def collate(examples: list[Example], pad_id: int) -> dict:
