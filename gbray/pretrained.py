@@ -200,17 +200,13 @@ def measure_student(model_dir: Path, turns: list[dict] | None = None, threads: i
     """The student's speed on this machine: turn-passes an hour with a fresh LoRA (dropout off),
     in whole optimizer steps of a few turns as a round runs them, on `turns` or on turns of a
     default `gbray synth` corpus."""
-    from gbray.settings import Recipe
+    from gbray.settings import Recipe, student_context
     from gbray.trainer import Trainer
 
     if not turns:
         turns = _probe_turns()
     with tempfile.TemporaryDirectory(prefix="gbray-measure-") as tmp:
-        from transformers import AutoConfig
-
-        positions = int(
-            getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", 4096)
-        )
+        positions = student_context(model_dir)
         recipe = Recipe(
             batch=1, accum=PROBE_PER_STEP, lora_dropout=0.0, max_len=min(4096, positions), threads=threads,
             seed=0, device="cpu", thread_probe=False,
