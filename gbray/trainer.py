@@ -699,11 +699,13 @@ class Trainer:
         """Train within the hours; `ends_at` (wall-clock seconds), where given, is when the
         night's budget ends for every share of it, so they keep one clock."""
         recipe = self.recipe
+        # The hours begin here: fitting a slice of long turns to the window takes minutes, and
+        # "train until morning" counts them as the shares' common clock (`ends_at`) does.
+        entered = self.clock()
         examples, shortened = self.slice_examples(train_turns)
         val, _ = make_examples(self.tokenizer, val_turns, recipe.max_len, recipe.answer_room)
         if not examples:
             raise ValueError("no turns to train on")
-        entered = self.clock()
         self.configure(longest_batch(examples, recipe.batch))
         passes_total = math.ceil(len(examples) * recipe.epochs)
         data_total = planned_steps(len(examples), recipe)

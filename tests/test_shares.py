@@ -293,7 +293,8 @@ def test_a_trainer_killed_with_sigkill_resumes_from_its_checkpoint(raw_student, 
     try:
         train, _ = index_folder(corpus)
         turns = train.read(list(range(200)))
-        recipe = quick(hours=10 / 60, epochs=5, last_every_minutes=0.05, val_every_minutes=5)
+        # 90 steps: the first checkpoint comes at about step 14, and the rest runs after the restart.
+        recipe = quick(hours=10 / 60, epochs=2, last_every_minutes=0.05, val_every_minutes=5)
         out = tmp_path / "t"
         trainer = TrainerActor.options(num_cpus=1).remote(
             str(raw_student), None, as_record(recipe), str(out), str(tmp_path / "p.log"), None,

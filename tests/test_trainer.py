@@ -252,6 +252,30 @@ def test_a_validation_that_crosses_the_cool_down_mark_starts_the_cool_down_at_on
     assert summary.steps > 76 and rates[75] < rates[74] == r.lr
 
 
+def test_the_hours_count_the_time_the_slice_took_to_prepare(raw_student, turns, tmp_path):
+    # On a clock of its own: preparing the slice takes 40 s of a 100-s night and every step a
+    # second, so 60 steps fit and the cool-down begins at 80 s of the night, 40 s into the steps.
+    now = [0.0]
+    r = recipe(hours=100 / 3600, epochs=200, accum=1, val_every_steps=1000)
+    trainer = Trainer(str(raw_student), None, r, tmp_path, clock=lambda: now[0])
+    accumulate, slice_examples = trainer.accumulate, trainer.slice_examples
+
+    def a_second_a_step(micro_batches, state):
+        accumulate(micro_batches, state)
+        now[0] += 1.0
+
+    def forty_seconds(slice_turns):
+        now[0] += 40.0
+        return slice_examples(slice_turns)
+
+    trainer.accumulate, trainer.slice_examples = a_second_a_step, forty_seconds
+    trainer.validation_scores = lambda examples: (0.5, "1" * len(examples))
+    summary = trainer.train(turns[:12], turns[30:34])
+    assert summary.why == "time" and 59 <= summary.steps <= 61, summary.steps
+    assert summary.minutes == pytest.approx(100 / 60, abs=0.02)
+    assert summary.schedule["cooldown_began_step"] == pytest.approx(40, abs=1)
+
+
 def test_a_schedule_free_night_keeps_the_optimizers_average(raw_student, turns, tmp_path):
     # Schedule-Free AdamW trains one sequence of weights (y) and keeps their average (x): the
     # validation and the adapter files are x, and training carries on from y.
