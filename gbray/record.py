@@ -21,8 +21,9 @@ if TYPE_CHECKING:
 TRAINING_FIELDS = (
     "steps", "planned_steps", "replanned_from", "best_val_loss", "best_step", "checks",
     "turns_trained", "turn_passes", "epochs_done", "why", "mean_loss", "skipped_nan", "shortened",
-    "turns_per_hour", "resumed_from_step", "choices", "averaged", "sync_minutes", "pooled_turns",
-    "shared_prefix_steps", "spared_tokens_share", "best_val_agreement", "val_turns", "schedule",
+    "turns_per_hour", "resumed_from_step", "choices", "averaged", "sync_minutes",
+    "preparing_minutes", "pooled_turns", "shared_prefix_steps", "spared_tokens_share",
+    "best_val_agreement", "val_turns", "schedule",
 )  # fmt: skip
 
 

@@ -83,6 +83,7 @@ class TrainSummary:
     choices: dict | None = None  # autocast, checkpointing, threads, and why (tuning.Choices)
     averaged: int = 0  # times its adapter was averaged with other shares' while training
     sync_minutes: float = 0.0  # of `minutes`, spent in those syncs and in pooling gradients
+    preparing_minutes: float = 0.0  # of `minutes`, spent fitting the slice before its first step
     # Other shares' turns whose gradients its steps took in (--pool-gradients).
     pooled_turns: int = 0
     # Optimizer steps that ran their turns' shared prompt prefix once, and the share of the

@@ -706,6 +706,7 @@ class Trainer:
         val, _ = make_examples(self.tokenizer, val_turns, recipe.max_len, recipe.answer_room)
         if not examples:
             raise ValueError("no turns to train on")
+        preparing = self.clock() - entered
         self.configure(longest_batch(examples, recipe.batch))
         passes_total = math.ceil(len(examples) * recipe.epochs)
         data_total = planned_steps(len(examples), recipe)
@@ -726,7 +727,8 @@ class Trainer:
         if ends_at is not None:  # the night's clock (process clocks differ; wall clocks agree)
             deadline = self.clock() + (ends_at - time.time())
         self.report(
-            f"training {len(examples)} turns ({shortened} shortened to fit {recipe.max_len} tokens), "
+            f"training {len(examples)} turns ({shortened} shortened to fit {recipe.max_len} tokens, "
+            f"prepared in {preparing:.0f} s of the budget), "
             f"{recipe.epochs:g} epochs, {schedule.total} steps planned, {recipe.hours * 60:.1f} min budget, "
             f"{self.threads} threads on {self.device}; schedule {schedule.kind}, validation on "
             f"{len(val)} turns"
@@ -874,6 +876,7 @@ class Trainer:
             choices=self.choices.as_dict(),
             averaged=self.averaged,
             sync_minutes=round(self.sync_seconds / 60, 3),
+            preparing_minutes=round(preparing / 60, 3),
             pooled_turns=self.pooled_turns,
             shared_prefix_steps=state.shared_steps,
             spared_tokens_share=round(state.spared / state.tokens, 4) if state.tokens else None,

@@ -55,10 +55,12 @@ def test_round_json_is_complete(demo):
         "round", "device", "student", "carried_from", "draw_seed", "recipe", "steps",
         "best_val_loss", "best_step", "turns_trained", "training_minutes", "why", "mean_loss",
         "baseline", "result", "adapter", "beat", "trainer_pid", "exam_pids", "driver",
-        "trainer_process", "paper", "hub_round",
+        "trainer_process", "paper", "hub_round", "preparing_minutes",
     ):  # fmt: skip
         assert key in record, key
     assert record["status"] == "done"
+    # Fitting 2,400 default turns takes a second or two, inside the training minutes.
+    assert 0 < record["preparing_minutes"] < 0.1 * record["training_minutes"]
     assert record["bad_lines"] and all(seen["total"] == 0 for seen in record["bad_lines"].values())
     assert record["result"]["per_tool"] and record["baseline"]["per_tool"]
     recipe = json.loads((out / "recipe.json").read_text())

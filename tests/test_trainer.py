@@ -274,6 +274,7 @@ def test_the_hours_count_the_time_the_slice_took_to_prepare(raw_student, turns, 
     assert summary.why == "time" and 59 <= summary.steps <= 61, summary.steps
     assert summary.minutes == pytest.approx(100 / 60, abs=0.02)
     assert summary.schedule["cooldown_began_step"] == pytest.approx(40, abs=1)
+    assert summary.preparing_minutes == pytest.approx(40 / 60, abs=0.001)
 
 
 def test_a_schedule_free_night_keeps_the_optimizers_average(raw_student, turns, tmp_path):
