@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 IGNORE = -100
@@ -158,8 +159,17 @@ def make_example(tokenizer, turn: dict, max_len: int, answer_room: int) -> Examp
     )
 
 
+def _quiet(done: int, shortened: int) -> None:
+    pass
+
+
 def make_examples(
-    tokenizer, turns: list[dict], max_len: int, answer_room: int, progress=None, every: int = 500
+    tokenizer,
+    turns: list[dict],
+    max_len: int,
+    answer_room: int,
+    progress: Callable[[int, int], None] = _quiet,
+    every: int = 500,
 ) -> tuple[list[Example], int]:
     """Examples of `turns` and how many were shortened; `progress(done, shortened)` is called
     after every `every` turns (fitting thousands of over-long turns takes minutes)."""
@@ -167,7 +177,7 @@ def make_examples(
     for done, turn in enumerate(turns, start=1):
         examples.append(make_example(tokenizer, turn, max_len, answer_room))
         shortened += examples[-1].shortened
-        if progress is not None and done % every == 0:
+        if done % every == 0:
             progress(done, shortened)
     return examples, shortened
 
