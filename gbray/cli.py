@@ -698,11 +698,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--hard",
         action="store_true",
-        help="turns no one field decides: the page lists about twenty tools' cues under three "
-        "headings, one per way of working; the task names a way; the history says which tools "
-        "under its heading were used already on this page (their cues still show); the right "
-        "call is the one left. The catalogue describes every tool's cues. Tools are drawn "
-        "evenly; pages run longer than --prompt-tokens when their cues and history need it",
+        help="turns no one field decides: the page lists 22 tools' cues under eleven "
+        "headings, two a heading, one heading per way of working; the task names a way; the "
+        "history says which tool under each heading was used already on this page (its cue "
+        "still shows); the right call is the other one under the task's heading. The catalogue "
+        "describes every tool's cues and states that rule. Tools are drawn evenly; pages run "
+        "longer than --prompt-tokens when their cues and history need it (needs --tools >= 26)",
     )
     p.add_argument(
         "--new-tools",

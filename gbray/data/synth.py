@@ -548,8 +548,7 @@ HARD_SECTIONS, HARD_SECTION_TOOLS = 11, 2
 HARD_RULES = (
     "\nRules: a page lists its elements in sections, one for each way of working. Use the "
     "section of the way the task names. A tool the earlier observations used on this page is "
-    "done, though its element still shows. Call the one tool left in that section, with its "
-    "element's number."
+    "done, though its element still shows. Call the one tool left in that section."
 )
 
 
