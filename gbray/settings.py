@@ -485,10 +485,16 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 def add_fields(
-    parser: argparse.ArgumentParser, cls, title: str, only: tuple[str, ...] | None = None
+    parser: argparse.ArgumentParser,
+    cls,
+    title: str,
+    only: tuple[str, ...] | None = None,
+    description: str | None = None,
 ) -> None:
-    """One CLI entry per dataclass field, with the field's help, default and other spellings."""
-    group = parser.add_argument_group(title, cls.__doc__.strip() if cls.__doc__ else None)
+    """One CLI entry per dataclass field, with the field's help, default and other spellings;
+    the group is described by `description`, else by the class's docstring."""
+    about = description or (cls.__doc__.strip() if cls.__doc__ else None)
+    group = parser.add_argument_group(title, about)
     for f in fields(cls):
         if (only is not None and f.name not in only) or "help" not in f.metadata:
             continue

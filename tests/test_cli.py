@@ -131,6 +131,23 @@ def test_help_shows_one_entry_per_setting():
     assert "--fetch, --no-fetch" in text
 
 
+def test_a_trial_takes_only_the_flags_it_reads():
+    """A trial trains nothing: a round's training, shares and gate flags are refused, not
+    accepted and ignored; every setting it does read is a flag."""
+    from gbray.cli import TRIAL_EXAM_SETTINGS, TRIAL_SETTINGS
+
+    out = run("trial", "--help")
+    assert out.returncode == 0
+    entries = {line.split()[0].rstrip(",") for line in out.stdout.splitlines()
+               if line.startswith("  --")}  # fmt: skip
+    wanted = {"--" + name.replace("_", "-") for name in TRIAL_SETTINGS + TRIAL_EXAM_SETTINGS}
+    assert entries == wanted, entries ^ wanted
+    for flag, value in (("--shares", "2"), ("--hours", "1"), ("--lr", "1e-3"),
+                        ("--fall-points", "5"), ("--skip-baseline", None)):  # fmt: skip
+        refused = run("trial", "--out", "/nonexistent/t", flag, *([value] if value else []))
+        assert refused.returncode == 2 and "unrecognized arguments" in refused.stderr, flag
+
+
 def test_a_model_id_without_network_or_cache_is_one_line_before_ray(tmp_path, corpus):
     import time
 
