@@ -551,7 +551,7 @@ def add_hub_parser(verbs) -> None:
     p = hub.add_parser(
         "load", help="load a corpus into the hub's database (the paper is cut by job)"
     )
-    p.add_argument("--db", type=Path, required=True)
+    p.add_argument("--db", type=Path, required=True, help="the hub's SQLite file")
     p.add_argument("--train", type=Path, required=True, help="train.jsonl")
     p.add_argument(
         "--eval", type=Path, required=True, help="eval.jsonl (its jobs are kept out of training)"
@@ -563,20 +563,20 @@ def add_hub_parser(verbs) -> None:
     p = tokens.add_parser(
         "add", help="print a new token (stored hashed; a name already there gets a new one)"
     )
-    p.add_argument("name")
+    p.add_argument("name", help="a name for the token: a device's, or the owner's")
     p.add_argument("--owner", action="store_true", help="may also stop and promote")
-    p.add_argument("--db", type=Path, required=True)
+    p.add_argument("--db", type=Path, required=True, help="the hub's SQLite file")
     p.set_defaults(func=cmd_hub_token)
     p = tokens.add_parser("list", help="every token's name, owner or not, and when it was made")
-    p.add_argument("--db", type=Path, required=True)
+    p.add_argument("--db", type=Path, required=True, help="the hub's SQLite file")
     p.set_defaults(func=cmd_hub_token_list)
     p = tokens.add_parser(
         "revoke",
         help="revoke a token (a lost device's): its next call gets 401, also on a hub that is "
         "serving; the rounds it registered stay",
     )
-    p.add_argument("name")
-    p.add_argument("--db", type=Path, required=True)
+    p.add_argument("name", help="the token's name, as `gbray hub token list` shows it")
+    p.add_argument("--db", type=Path, required=True, help="the hub's SQLite file")
     p.set_defaults(func=cmd_hub_token_revoke)
     p = hub.add_parser(
         "backup",
@@ -603,7 +603,7 @@ def add_hub_parser(verbs) -> None:
         "clear",
         help="clear every taken mark (a new pass over the corpus; devices never clear them)",
     )
-    p.add_argument("--db", type=Path, required=True)
+    p.add_argument("--db", type=Path, required=True, help="the hub's SQLite file")
     p.set_defaults(func=cmd_hub_marks_clear)
     p = hub.add_parser("promote", help="ask the hub to put a round's adapter into service")
     p.add_argument("id", help="round id")
