@@ -290,12 +290,23 @@ def start_demo_hub(root: Path, data: Path):
     return hub, owner, device
 
 
+def check_demo_flags(args) -> None:
+    """Bad numbers end the demo before it writes or builds anything (minutes of work)."""
+    if args.minutes is not None and not args.minutes > 0:
+        raise ValueError("--minutes must be > 0")
+    if args.pretrain_steps < 0:
+        raise ValueError("--pretrain-steps must be >= 0")
+    if args.pretrain_seconds is not None and not args.pretrain_seconds > 0:
+        raise ValueError("--pretrain-seconds must be > 0")
+
+
 def cmd_demo(args) -> int:
     import requests
 
     from gbray.data.synth import SynthSettings, write_corpus
     from gbray.round import run_round, summary_line
 
+    check_demo_flags(args)
     began = time.time()
     out = args.out or Path(tempfile.mkdtemp(prefix="gbray-demo-"))
     data, student, round_out = out / "data", out / "student", out / "round"

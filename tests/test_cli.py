@@ -148,6 +148,19 @@ def test_a_trial_takes_only_the_flags_it_reads():
         assert refused.returncode == 2 and "unrecognized arguments" in refused.stderr, flag
 
 
+@pytest.mark.parametrize(
+    "flags", [["--minutes", "0"], ["--minutes", "-1"], ["--pretrain-steps", "-5"],
+              ["--pretrain-seconds", "0"]],
+)  # fmt: skip
+def test_a_demo_given_a_bad_number_stops_before_it_writes_or_builds(tmp_path, flags):
+    out = tmp_path / "demo"
+    refused = run("demo", "--out", str(out), *flags, timeout=60)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert refused.stderr.strip().splitlines() == [f"gbray: error: {flags[0]} must be " + (
+        ">= 0" if flags[0] == "--pretrain-steps" else "> 0")]  # fmt: skip
+    assert not out.exists()
+
+
 def test_a_model_id_without_network_or_cache_is_one_line_before_ray(tmp_path, corpus):
     import time
 
