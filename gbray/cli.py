@@ -451,27 +451,45 @@ def cmd_hub_load(args) -> int:
     return 0
 
 
-def cmd_hub_token(args) -> int:
+def existing_hub(db: Path):
+    """The hub's store at `db`, which must exist: administering a mistyped path would make a new,
+    empty hub there (and a token that no hub knows)."""
     from gbray.hub.store import Store
 
-    token = Store(args.db).add_token(args.name, owner=args.owner)
+    if not Path(db).is_file():
+        raise ValueError(
+            f"no hub database at {db} (`gbray hub serve --db` or `gbray hub load --db` makes one)"
+        )
+    return Store(db)
+
+
+def port(text: str) -> int:
+    """A TCP port number, checked where the command line is read."""
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port (0 to 65535)")
+    return value
+
+
+def cmd_hub_token(args) -> int:
+
+    token = existing_hub(args.db).add_token(args.name, owner=args.owner)
     print(token)
     return 0
 
 
 def cmd_hub_token_list(args) -> int:
-    from gbray.hub.store import Store
 
-    for token in Store(args.db).tokens():
+    for token in existing_hub(args.db).tokens():
         created = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(token["created"]))
         print(json.dumps({**token, "created": created}))
     return 0
 
 
 def cmd_hub_token_revoke(args) -> int:
-    from gbray.hub.store import TOKEN_SECONDS, Store
+    from gbray.hub.store import TOKEN_SECONDS
 
-    if not Store(args.db).revoke_token(args.name):
+    if not existing_hub(args.db).revoke_token(args.name):
         print(f"error: no token named {args.name!r} (gbray hub token list)", file=sys.stderr)
         return 1
     # A serving hub reuses a token's answer for a few seconds: once this returns, the token's
@@ -496,9 +514,8 @@ def cmd_hub_restore(args) -> int:
 
 
 def cmd_hub_marks_clear(args) -> int:
-    from gbray.hub.store import Store
 
-    print(json.dumps({"cleared": Store(args.db).clear_marks()}))
+    print(json.dumps({"cleared": existing_hub(args.db).clear_marks()}))
     return 0
 
 
@@ -512,6 +529,8 @@ def cmd_hub_promote(args) -> int:
     except requests.HTTPError as e:
         print(json.dumps({"status": e.response.status_code, "detail": e.response.text[:500]}))
         return 1
+    except (requests.ConnectionError, requests.Timeout) as e:
+        raise ConnectionError(f"no hub answers at {args.hub}: {type(e).__name__}") from e
     if answer.promoted:
         print(json.dumps({"status": 200, "serving": answer.serving}))
         return 0
@@ -529,7 +548,7 @@ def add_hub_parser(verbs) -> None:
         "--store", type=Path, required=True, help="folder for adapters (created if missing)"
     )
     p.add_argument("--host", default="127.0.0.1", help="(default %(default)s)")
-    p.add_argument("--port", type=int, default=8600, help="(default %(default)s)")
+    p.add_argument("--port", type=port, default=8600, help="0 to 65535 (default %(default)s)")
     p.add_argument(
         "--claim-timeout",
         type=float,
@@ -867,8 +886,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (DataError, ValueError, FileNotFoundError) as e:  # MergeError is a ValueError
+        log.debug("where it was raised", exc_info=True)  # -v shows it
         print(f"gbray: error: {e}", file=sys.stderr)
         return 2
+    except ConnectionError as e:  # a Ray cluster or hub that the command itself needs
+        log.debug("where it was raised", exc_info=True)
+        print(f"gbray: error: {e}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print("gbray: interrupted", file=sys.stderr)
         return 130

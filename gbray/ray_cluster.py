@@ -88,10 +88,34 @@ def start_ray(address: str | None):
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # every progress line matters, even alike ones
     if not ray.is_initialized():
         if address:
-            ray.init(address=address, include_dashboard=False, log_to_driver=True)
+            try:
+                probe_head(address)
+                ray.init(address=address, include_dashboard=False, log_to_driver=True)
+            except ConnectionError as e:
+                raise ConnectionError(
+                    f"no Ray cluster answers at --address {address} ({e}); start one there "
+                    "with `ray start --head`, or leave --address out for a local Ray"
+                ) from e
         else:
             ray.init(num_cpus=available_cpus(), include_dashboard=False, log_to_driver=True)
     return ray
+
+
+def probe_head(address: str, seconds: float = 5.0) -> None:
+    """Refuse a HOST:PORT where nothing listens, in seconds: Ray's own connect retries such an
+    address for minutes (20 attempts of 5 s or more each). `auto` and `ray://` addresses are
+    Ray's to resolve."""
+    import socket
+
+    if address in ("auto", "local") or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        return  # not HOST:PORT: Ray's own error names it
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=seconds).close()
+    except OSError as e:
+        raise ConnectionError(f"nothing listens at {host}:{port}: {e.strerror or e}") from e
 
 
 def actor_cpus(ray, recipe: Recipe) -> int:

@@ -379,6 +379,11 @@ class RoundSettings:
             problems.append(f"--adapter {self.adapter} needs --hub")
         if self.ca is not None and not Path(self.ca).is_file():
             problems.append(f"--ca {self.ca} does not exist")
+        problems += [
+            f"--adapter {folder} is not an adapter folder (no adapter_config.json)"
+            for folder in local_adapters(self.adapter)
+            if not (Path(folder) / "adapter_config.json").is_file()
+        ]
         if not self.fetch and self.data is None:
             problems.append("--no-fetch needs --data")
         if self.measure_only and self.skip_baseline:
@@ -404,6 +409,17 @@ class RoundSettings:
             )
         if problems:
             raise ValueError("; ".join(problems))
+
+
+def local_adapters(adapter: str | None) -> list[str]:
+    """The adapter folders on this machine that `--adapter` names: itself, or the local members
+    of `merge:A,B,...` (hub:NAME ones are the hub's to check)."""
+    members = (
+        adapter[len("merge:") :].split(",")
+        if adapter and adapter.startswith("merge:")
+        else [adapter]
+    )
+    return [a for a in members if a and not a.startswith("hub:")]
 
 
 def average_every_seconds(settings: RoundSettings) -> float:

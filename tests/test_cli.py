@@ -161,6 +161,63 @@ def test_a_demo_given_a_bad_number_stops_before_it_writes_or_builds(tmp_path, fl
     assert not out.exists()
 
 
+def test_an_adapter_folder_that_is_not_one_is_refused_before_ray(tmp_path, corpus, raw_student):
+    (tmp_path / "empty").mkdir()
+    for adapter in (str(tmp_path / "missing"), str(tmp_path / "empty"),
+                    f"merge:hub:r1,{tmp_path / 'empty'}"):  # fmt: skip
+        refused = run("round", "--data", str(corpus), "--model", str(raw_student),
+                      "--out", str(tmp_path / "r"), "--adapter", adapter, "--hub", "http://h:1",
+                      "--token", "t", timeout=60)  # fmt: skip
+        assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+        line = refused.stderr.strip().splitlines()[-1]  # after the student's hints, logged
+        assert "is not an adapter folder" in line and "hub:r1" not in line, line
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_cluster_or_hub_that_does_not_answer_is_one_line_and_exit_3(tmp_path, corpus,
+                                                                       raw_student):  # fmt: skip
+    """Ray's own connect retries an address where nothing listens for minutes; the round says
+    so in seconds, before it starts anything."""
+    dead = f"127.0.0.1:{free_port()}"
+    refused = run("round", "--data", str(corpus), "--model", str(raw_student),
+                  "--out", str(tmp_path / "r"), "--address", dead, "--hours", "0.01",
+                  timeout=60)  # fmt: skip
+    assert refused.returncode == 3 and "Traceback" not in refused.stderr, refused.stderr
+    line = refused.stderr.strip().splitlines()[-1]
+    assert f"no Ray cluster answers at --address {dead}" in line, line
+    assert not (tmp_path / "r" / "round.json").exists()
+    refused = run("hub", "promote", "r1", "--hub", f"http://{dead}", "--token", "t", timeout=60)
+    assert refused.returncode == 3, refused.stderr[-2000:]
+    assert refused.stderr.strip().splitlines() == [
+        f"gbray: error: no hub answers at http://{dead}: ConnectionError"
+    ]
+
+
+def test_hub_administration_never_makes_a_hub_at_a_mistyped_path(tmp_path):
+    db = tmp_path / "hub.dbb"
+    for args in (("token", "add", "laptop"), ("token", "list"), ("token", "revoke", "laptop"),
+                 ("marks", "clear")):  # fmt: skip
+        refused = run("hub", *args, "--db", str(db), timeout=60)
+        assert refused.returncode == 2, (args, refused.stderr[-2000:])
+        assert refused.stderr.strip().splitlines() == [
+            f"gbray: error: no hub database at {db} (`gbray hub serve --db` or `gbray hub load "
+            "--db` makes one)"
+        ]
+        assert not db.exists() and refused.stdout == "", args
+    refused = run(
+        "hub", "serve", "--db", str(db), "--store", str(tmp_path / "s"), "--port", "65536"
+    )
+    assert refused.returncode == 2 and "65536 is not a port" in refused.stderr
+    assert not db.exists()
+
+
 def test_a_model_id_without_network_or_cache_is_one_line_before_ray(tmp_path, corpus):
     import time
 
