@@ -330,3 +330,31 @@ def summary_line(record: dict, out: Path) -> dict:
         "p_value": ((record.get("comparison") or {}).get("paired") or {}).get("p_value"),
         "status": record.get("status"),
     }
+
+
+# What a round writes in its OUT folder; anything else there is left where it is.
+ROUND_ENTRIES = ("round.json", "recipe.json", "progress.log", "best", "last", "start", "merged")
+ROUND_PATTERNS = ("share-*", "merge-input-*")
+
+
+def keep_earlier_round(out: Path) -> Path | None:
+    """Move an earlier round's files in `out` into out/earlier/<its round id>, so that a round
+    given last night's --out loses nothing (it would write its adapters and round.json over
+    that night's). Returns where they went, or None where `out` held no round."""
+    found = [out / name for name in ROUND_ENTRIES if (out / name).exists()]
+    found += sorted(p for pattern in ROUND_PATTERNS for p in out.glob(pattern))
+    if not found:
+        return None
+    try:
+        name = str(json.loads((out / "round.json").read_text())["round"])
+    except (OSError, ValueError, KeyError, TypeError):  # a round that ended before writing it
+        name = "unfinished"
+    aside = out / "earlier" / name
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = out / "earlier" / f"{name}-{n}"
+    aside.mkdir(parents=True)
+    for path in found:
+        path.rename(aside / path.name)
+    return aside

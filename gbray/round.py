@@ -109,7 +109,10 @@ class Round:
         self.start = "bare" if self.merge_inputs else start_name(settings.adapter)
 
     def run(self) -> dict:
+        earlier = rec.keep_earlier_round(self.out)
         self.setup()
+        if earlier:
+            self.note(f"an earlier round's files in {self.out} were moved to {earlier}")
         work = self.work()
         self.size_window(work)
         self.register(work)

@@ -201,3 +201,16 @@ def test_the_students_own_window_grows_to_the_papers_turns_and_a_given_one_is_ke
         data, raw_student, tmp_path / "given", recipe=recipe(max_len=1024), measure_only=True
     )
     assert given["recipe"]["max_len"] == 1024 and given["baseline"]["shortened"] == 12
+
+
+def test_a_round_given_last_nights_out_moves_that_round_aside(corpus, raw_student, tmp_path):
+    out = tmp_path / "r"
+    first = night(corpus, raw_student, out)
+    (out / "notes.txt").write_text("the owner's")
+    second = night(corpus, raw_student, out)
+    aside = out / "earlier" / first["round"]
+    assert json.loads((aside / "round.json").read_text())["round"] == first["round"]
+    assert (aside / "best" / "adapter_config.json").is_file() and (aside / "recipe.json").is_file()
+    assert json.loads((out / "round.json").read_text())["round"] == second["round"]
+    assert second["round"] != first["round"] and (out / "best" / "adapter_config.json").is_file()
+    assert (out / "notes.txt").read_text() == "the owner's"  # not a round's: left where it was

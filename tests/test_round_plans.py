@@ -59,3 +59,21 @@ def test_pooled_gradients_need_shares_that_sync():
         RoundSettings(
             data=Path("d"), shares=2, pool_gradients=True, share_average_minutes=0
         ).validate()
+
+
+def test_an_unfinished_rounds_files_are_kept_aside_without_overwriting_another(tmp_path):
+    from gbray.record import keep_earlier_round
+
+    out = tmp_path / "r"
+    out.mkdir()
+    assert keep_earlier_round(out) is None and list(out.iterdir()) == []
+    for night in ("first", "second"):
+        (out / "progress.log").write_text(night)
+        (out / "share-0" / "last").mkdir(parents=True)
+        (out / "data.jsonl").write_text("not a round's")
+        aside = keep_earlier_round(out)
+        assert aside == out / "earlier" / ("unfinished" if night == "first" else "unfinished-2")
+        assert (aside / "progress.log").read_text() == night and (
+            aside / "share-0" / "last"
+        ).is_dir()
+        assert sorted(p.name for p in out.iterdir()) == ["data.jsonl", "earlier"]
