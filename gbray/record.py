@@ -337,14 +337,39 @@ ROUND_ENTRIES = ("round.json", "recipe.json", "progress.log", "best", "last", "s
 ROUND_PATTERNS = ("share-*", "merge-input-*")
 
 
-def keep_earlier_round(out: Path) -> Path | None:
+@dataclass
+class MovedAside:
+    """Where an earlier round's files in OUT went (`aside`, None where there were none) and
+    which entries of OUT they were."""
+
+    out: Path
+    aside: Path | None = None
+    names: tuple[str, ...] = ()
+
+    def relocate(self, adapter: str | None) -> str | None:
+        """`adapter` as it is found now: a folder of the earlier round (carrying on from last
+        night's OUT/best in the same OUT) is where it was moved to."""
+        if not adapter or adapter.startswith(("hub:", "merge:")) or self.aside is None:
+            return adapter
+        try:
+            inside = Path(adapter).resolve().relative_to(self.out.resolve())
+        except ValueError:
+            return adapter
+        return (
+            str(self.aside / inside)
+            if inside.parts[:1] and inside.parts[0] in self.names
+            else adapter
+        )
+
+
+def keep_earlier_round(out: Path) -> MovedAside:
     """Move an earlier round's files in `out` into out/earlier/<its round id>, so that a round
     given last night's --out loses nothing (it would write its adapters and round.json over
-    that night's). Returns where they went, or None where `out` held no round."""
+    that night's)."""
     found = [out / name for name in ROUND_ENTRIES if (out / name).exists()]
     found += sorted(p for pattern in ROUND_PATTERNS for p in out.glob(pattern))
     if not found:
-        return None
+        return MovedAside(out)
     try:
         name = str(json.loads((out / "round.json").read_text())["round"])
     except (OSError, ValueError, KeyError, TypeError):  # a round that ended before writing it
@@ -357,4 +382,4 @@ def keep_earlier_round(out: Path) -> Path | None:
     aside.mkdir(parents=True)
     for path in found:
         path.rename(aside / path.name)
-    return aside
+    return MovedAside(out, aside, tuple(path.name for path in found))

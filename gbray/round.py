@@ -109,10 +109,12 @@ class Round:
         self.start = "bare" if self.merge_inputs else start_name(settings.adapter)
 
     def run(self) -> dict:
-        earlier = rec.keep_earlier_round(self.out)
+        moved = rec.keep_earlier_round(self.out)
+        self.adapter = moved.relocate(self.adapter)
+        self.merge_inputs = [moved.relocate(a) for a in self.merge_inputs]
         self.setup()
-        if earlier:
-            self.note(f"an earlier round's files in {self.out} were moved to {earlier}")
+        if moved.aside:
+            self.note(f"an earlier round's files in {self.out} were moved to {moved.aside}")
         work = self.work()
         self.size_window(work)
         self.register(work)

@@ -10,7 +10,7 @@ import pytest
 import requests
 
 from gbray.local_cluster import LocalCluster
-from gbray.round import run_round
+from gbray.round import run_round, start_name
 from gbray.settings import Recipe, RoundSettings
 
 
@@ -207,10 +207,12 @@ def test_a_round_given_last_nights_out_moves_that_round_aside(corpus, raw_studen
     out = tmp_path / "r"
     first = night(corpus, raw_student, out)
     (out / "notes.txt").write_text("the owner's")
-    second = night(corpus, raw_student, out)
+    # Tonight carries on from last night's adapter, in last night's OUT.
+    second = night(corpus, raw_student, out, adapter=str(out / "best"))
     aside = out / "earlier" / first["round"]
     assert json.loads((aside / "round.json").read_text())["round"] == first["round"]
     assert (aside / "best" / "adapter_config.json").is_file() and (aside / "recipe.json").is_file()
     assert json.loads((out / "round.json").read_text())["round"] == second["round"]
     assert second["round"] != first["round"] and (out / "best" / "adapter_config.json").is_file()
     assert (out / "notes.txt").read_text() == "the owner's"  # not a round's: left where it was
+    assert second["status"] == "done" and second["start"] == start_name(str(aside / "best"))

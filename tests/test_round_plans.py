@@ -66,14 +66,19 @@ def test_an_unfinished_rounds_files_are_kept_aside_without_overwriting_another(t
 
     out = tmp_path / "r"
     out.mkdir()
-    assert keep_earlier_round(out) is None and list(out.iterdir()) == []
+    assert keep_earlier_round(out).aside is None and list(out.iterdir()) == []
     for night in ("first", "second"):
         (out / "progress.log").write_text(night)
         (out / "share-0" / "last").mkdir(parents=True)
         (out / "data.jsonl").write_text("not a round's")
-        aside = keep_earlier_round(out)
+        moved = keep_earlier_round(out)
+        aside = moved.aside
         assert aside == out / "earlier" / ("unfinished" if night == "first" else "unfinished-2")
         assert (aside / "progress.log").read_text() == night and (
             aside / "share-0" / "last"
         ).is_dir()
         assert sorted(p.name for p in out.iterdir()) == ["data.jsonl", "earlier"]
+    # Carrying on from the earlier round's adapter in the same OUT finds it where it went.
+    assert moved.relocate(str(out / "share-0" / "last")) == str(aside / "share-0" / "last")
+    assert moved.relocate(str(out / "data.jsonl")) == str(out / "data.jsonl")
+    assert moved.relocate("hub:serving") == "hub:serving" and moved.relocate(None) is None
