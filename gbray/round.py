@@ -35,6 +35,7 @@ from gbray.settings import (
     average_every_seconds,
     chosen_because,
     locate_model,
+    merge_members,
     prompt_lengths,
     student_choice,
     student_context,
@@ -103,8 +104,7 @@ class Round:
         self.log_path = self.out / "progress.log"
         self.record = rec.RoundRecord(new_round_id())
         # `merge:A,B,...` (the field's syntax): join those adapters, train nothing, examine once.
-        spec = settings.adapter or ""
-        self.merge_inputs = spec[len("merge:") :].split(",") if spec.startswith("merge:") else []
+        self.merge_inputs = merge_members(settings.adapter)
         self.adapter = settings.adapter  # hub:serving becomes hub:NAME once the hub is asked
         self.start = "bare" if self.merge_inputs else start_name(settings.adapter)
 

@@ -411,14 +411,16 @@ class RoundSettings:
             raise ValueError("; ".join(problems))
 
 
+def merge_members(adapter: str | None) -> list[str]:
+    """The adapters `merge:A,B,...` (the field's syntax) names; none for any other --adapter."""
+    spec = adapter or ""
+    return spec[len("merge:") :].split(",") if spec.startswith("merge:") else []
+
+
 def local_adapters(adapter: str | None) -> list[str]:
     """The adapter folders on this machine that `--adapter` names: itself, or the local members
     of `merge:A,B,...` (hub:NAME ones are the hub's to check)."""
-    members = (
-        adapter[len("merge:") :].split(",")
-        if adapter and adapter.startswith("merge:")
-        else [adapter]
-    )
+    members = merge_members(adapter) or [adapter]
     return [a for a in members if a and not a.startswith("hub:")]
 
 
