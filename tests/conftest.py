@@ -29,8 +29,8 @@ def raw_student(corpus, tmp_path_factory) -> Path:
 def learnable(tmp_path_factory) -> tuple[Path, Path]:
     """A corpus a tiny student learns well in minutes (14 tools, short pages) and that student,
     pre-trained a fixed 420 steps (in CI about 75 s on 2 AVX-512 cores, 140 s on 2 AVX2-only
-    ones; steps, not seconds, so it is the same student on any machine). The round, shares and exam tests share it; a test that changes the data
-    works on a copy."""
+    ones; steps, not seconds, so it is the same student on any machine). The round, shares and
+    exam tests share it; a test that changes the data works on a copy."""
     from gbray.data.synth import SynthSettings, write_corpus
     from gbray.student import StudentSettings, build_student
 

@@ -123,8 +123,8 @@ def test_a_two_share_round_from_one_command_on_three_nodes_through_a_hub(learnab
     assert record["share_average_seconds"] == pytest.approx(0.03 * 3600 / 40)
     # The night is bound by its minutes, so what it learns follows the host's speed: the merge
     # scored 55 on an AVX-512 host, 26 on a 2-core AVX2-only one (shares 26 and 27, baseline 8),
-    # where a bar of +20 failed. The owner's promotion above already needed the
-    # merge to beat its baseline on the hub's paired test; this asks for a clear margin on top.
+    # where a bar of +20 failed. The owner's promotion above already needed the merge to score
+    # above its baseline on the same paper; this asks for a clear margin on top.
     assert merged > baseline + 10, (merged, shares, baseline)
     assert merged >= min(shares) - 2, (merged, shares, baseline)
     assert "baseline exam beside the shares" in (out / "progress.log").read_text() or any(
@@ -233,7 +233,7 @@ def test_a_slow_share_syncs_less_and_does_not_hold_the_fast_one_back(learnable, 
     # movements are stale (the fast share brought many times its turns since it was handed the
     # global) and count in proportion: their freshness, which their weight includes. How stale
     # follows the two machines' speed ratio, so the host's: 2/k where the fast share synced k
-    # times in between (k = 4, freshness 0.5, on a 2-core AVX2-only host; more on faster ones).
+    # times in between (k = 4, freshness 0.5, on a 2-core AVX2-only host; a larger k on faster ones).
     fresh = [x["weight"] for x in merge["syncs"] if x["freshness"] == 1]
     assert all(0.5 < w <= 1.0 for w in fresh) and min(fresh) < 0.95, merge["syncs"]
     assert min(x["freshness"] for x in syncs[1]) < 1, syncs[1]
