@@ -29,8 +29,10 @@ gains that N machines get in the same hours.
 flag), `outer_lr:outer_momentum` (the averager's outer optimizer, syncing every
 `--sync-minutes`; `2:0 --sync-minutes 0.001` adds every share's step whole after each step),
 `pool` (`--pool-gradients`: the average every `--sync-minutes`, and at every step each share
-steps on its own and the other's newest gradients) or `end` (no syncs: `cat` at the end, the
-exact average of the shares' updates). `--lockstep` adds the bound: N machines in lockstep.
+steps on its own and the other's newest gradients), `together[:F]` (the same, stepping together:
+`--pool-wait F`, default 1, each share waiting at every step for the other's gradient of that
+step, at most F of its own step's time) or `end` (no syncs: `cat` at the end, the exact average
+of the shares' updates). `--lockstep` adds the bound: N machines in lockstep.
 
 `--bound steps` ends every night by its data instead of its time: one trainer at H trains a
 slice of `--turns-at-h` turns (1,320: what one does in 3 minutes on 150-token pages on 2 cores
@@ -139,6 +141,10 @@ def shares_night(data, student, out: Path, minutes: float, seed: int, paper: int
         join = ["--share-average-minutes", "0"]
     elif variant == "pool":
         join = ["--share-average-minutes", str(sync_minutes), "--pool-gradients"]
+    elif variant.startswith("together"):
+        wait = variant.partition(":")[2] or "1"
+        join = ["--share-average-minutes", str(sync_minutes), "--pool-gradients", "--pool-wait",
+                wait]  # fmt: skip
     else:
         lr, momentum = variant.split(":")
         join = ["--share-average-minutes", str(sync_minutes), "--outer-lr", lr,
@@ -170,6 +176,8 @@ def shares_night(data, student, out: Path, minutes: float, seed: int, paper: int
         "syncs": len(merge.get("syncs", [])),
         "every_turns": merge.get("every_turns"),
         "pooled_turns": [(r["training"] or {}).get("pooled_turns") for r in reports],
+        "waited_seconds": [m.get("waited_seconds") for m in merge.get("members", [])],
+        "steps_alone": [m.get("steps_alone") for m in merge.get("members", [])],
     }
 
 
@@ -184,7 +192,8 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=["default"],
                     help="how shares join: default (gbray round's own flags), "
                     "outer_lr:outer_momentum every --sync-minutes, pool (the average every "
-                    "--sync-minutes and every step's gradients pooled), or end (cat at the end)")  # fmt: skip
+                    "--sync-minutes and every step's gradients pooled), together[:F] (pool, "
+                    "stepping together: --pool-wait F, default 1), or end (cat at the end)")  # fmt: skip
     ap.add_argument("--sync-minutes", type=float, default=0.15,
                     help="the fastest share's time between syncs")  # fmt: skip
     ap.add_argument("--lockstep", nargs="*", choices=["sqrt", "linear"], default=[],

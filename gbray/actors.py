@@ -119,8 +119,8 @@ class TrainerActor:
 class AveragerLink:
     """A share's side of the night's averaging (the trainer's `sync`): a sync is due every
     `every_turns` turns it trains (the driver sets them from the fastest share's speed, so a slow
-    share syncs less often); each is one call to the averager actor, which never waits for the
-    other shares."""
+    share syncs less often); each is one call to the averager actor, which waits for the other
+    shares only when they step together (`--pool-wait`), and then a bounded time."""
 
     def __init__(self, averager, index: int):
         self.averager, self.index = averager, index
@@ -158,10 +158,12 @@ class AveragerLink:
 
 @ray.remote(num_cpus=0, max_concurrency=64)
 class AveragerActor:
-    def __init__(self, outer_lr: float, outer_momentum: float, pools: bool = False):
+    def __init__(
+        self, outer_lr: float, outer_momentum: float, pools: bool = False, wait: float = 0.0
+    ):
         from gbray.averaging import Averager
 
-        self.averager = Averager(outer_lr, outer_momentum)
+        self.averager = Averager(outer_lr, outer_momentum, wait=wait)
         self.every = float("inf")
         self.pools = pools
 
@@ -195,6 +197,7 @@ class AveragerActor:
         return {
             **save_merged(self.averager, self.every, Path(template), Path(out)),
             "pool_gradients": self.pools,
+            "pool_wait": self.averager.wait,
         }
 
 

@@ -24,6 +24,16 @@ and takes back the mean of it and every other share's newest gradient it has not
 rate, Adam's rule for a larger batch. Nobody waits: a share whose partner has not stepped since
 steps on its own turns. The positions are still averaged every few turns as above.
 
+Stepping together (`--pool-wait F`) makes pooled gradients two machines in lockstep: shares of
+about the fastest's speed (PEER_SPEED) wait at each step for each other's gradient of the same
+step, and at each sync for each other's movement, at most F times the waiting share's own step
+time. Started from one global and handed the same pooled gradient at every step, their weights
+and Adam moments stay alike, so each step is one step on all their turns at the current weights
+(benchmarks/stale_gradients.py: a gradient one step stale is worth about half). A partner later
+than the bound is not waited for (that step is taken on the turns at hand), and a share much
+slower than the fastest (a third of its speed) never holds the others back: it pools and syncs
+without waiting, as above.
+
 Outer lr 1 without momentum is the plain average of the shares' movements; outer lr = shares is
 their sum (each share's turns count as if one trainer had trained them in turn). The choice and
 its figures: the README's shares night. Optimizer moments stay in each share.
@@ -52,6 +62,7 @@ class Sync:
     minute: float
     final: bool = False
     freshness: float = 1.0  # the part of `weight` left after staleness (1: counted whole)
+    waited_seconds: float = 0.0  # stepping together: how long it waited for its partners' syncs
 
 
 @dataclass
@@ -63,6 +74,10 @@ class Membership:
     left_minute: float | None = None
     turns_synced: int = 0
     syncs: int = 0
+    # Stepping together: seconds spent waiting for partners, and steps taken without a partner
+    # that was later than the bound.
+    waited_seconds: float = 0.0
+    steps_alone: int = 0
 
 
 @dataclass
@@ -77,6 +92,10 @@ class OuterState:
     turns_in: int = 0  # turns behind every movement applied so far
 
 
+# Shares at least this part of the fastest's measured speed step together under `--pool-wait`.
+PEER_SPEED = 0.8
+
+
 class Averager:
     """The night's global adapter and its outer optimizer (thread-safe: shares call at once)."""
 
@@ -85,10 +104,14 @@ class Averager:
         outer_lr: float = 1.0,
         outer_momentum: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
+        wait: float = 0.0,
     ):
         if not outer_lr > 0 or not 0 <= outer_momentum < 1:
             raise ValueError("outer lr must be > 0 and outer momentum in [0, 1)")
+        if not wait >= 0:
+            raise ValueError("the wait must be >= 0 (a fraction of a share's step)")
         self.outer_lr, self.outer_momentum, self.clock = outer_lr, outer_momentum, clock
+        self.wait = wait
         self.began = clock()
         self.state: OuterState | None = None
         # share -> (weights handed, version then, turns the global held then)
@@ -101,6 +124,14 @@ class Averager:
         # (reader, writer) -> the writer's last post the reader took.
         self.board: dict[int, tuple[int, dict, int]] = {}
         self.taken: dict[tuple[int, int], int] = {}
+        # Stepping together: share -> its steps posted and syncs made (counted from the others'
+        # when it joined, so a late joiner is in step), when its last step's call returned, and
+        # how long its last step took from there (the unit of its bound).
+        self.steps: dict[int, int] = {}
+        self.rounds: dict[int, int] = {}
+        self.returned: dict[int, float] = {}
+        self.step_seconds: dict[int, float] = {}
+        self.arrived = threading.Condition(self.lock)
 
     def set_speeds(self, speeds: dict[int, float]) -> None:
         """The shares' measured speeds. A movement is scaled by outer_lr over the live shares'
@@ -136,20 +167,40 @@ class Averager:
                 self.state = OuterState(start, zeros, {k: v.clone() for k, v in zeros.items()})
             self.members.setdefault(share, Membership(share, self.minute()))
             self.members[share].left_minute = None
+            self.steps[share] = max(
+                (n for i, n in self.steps.items() if i in self.given), default=0
+            )
+            self.rounds[share] = max(
+                (n for i, n in self.rounds.items() if i in self.given), default=0
+            )
+            self.returned[share] = time.monotonic()
             return self._hand(share, like=weights)
 
     def exchange(self, share: int, weights: dict, turns: int) -> dict:
-        """This share's weights in, its movement applied; the new global out."""
+        """This share's weights in, its movement applied; the new global out (stepping together:
+        once its partners' movements of the same sync are in too, or the bound has passed)."""
         with self.lock:
-            self._apply(share, weights, turns, final=False)
+            sync = self._apply(share, weights, turns, final=False)
+            if sync is not None:
+                self.rounds[share] += 1
+                sync.waited_seconds = round(self._wait_for_partners(share, self.rounds)[0], 3)
             return self._hand(share, like=weights)
 
     def pool(self, share: int, grads: dict, turns: int) -> tuple[dict, int]:
         """This share's step's gradients in; out, their mean with each other live share's
-        newest step it has not taken yet, weighted by turns, and the turns behind that mean."""
+        newest step it has not taken yet, weighted by turns, and the turns behind that mean
+        (stepping together: once its partners' gradients of the same step are in, or the bound
+        has passed)."""
         with self.lock:
-            number = self.board.get(share, (0, None, 0))[0] + 1
+            number = self.steps.get(share, 0) + 1
+            self.steps[share] = number
+            if share in self.returned:
+                self.step_seconds[share] = time.monotonic() - self.returned[share]
             self.board[share] = (number, grads, turns)
+            _, late = self._wait_for_partners(share, self.steps)
+            if late and share in self.members:
+                self.members[share].steps_alone += 1
+            self.returned[share] = time.monotonic()
             total = {k: v.float() * turns for k, v in grads.items()}
             pooled = turns
             for other, (posted, theirs, t) in self.board.items():
@@ -171,6 +222,7 @@ class Averager:
             del self.given[share]
             self.board.pop(share, None)
             self.members[share].left_minute = self.minute()
+            self.arrived.notify_all()  # partners waiting for it wait no more
 
     def drop(self, share: int) -> None:
         """A share whose machine went away: what it synced stays in the global."""
@@ -178,6 +230,34 @@ class Averager:
             self.board.pop(share, None)
             if self.given.pop(share, None) is not None:
                 self.members[share].left_minute = self.minute()
+            self.arrived.notify_all()
+
+    def partners(self, share: int) -> list[int]:
+        """The live shares this one steps together with: none unless stepping together, and none
+        for a share below PEER_SPEED of the fastest (it must never hold the others back)."""
+        if self.wait <= 0 or self.speeds.get(share, 1.0) < PEER_SPEED:
+            return []
+        return [i for i in self.given if i != share and self.speeds.get(i, 1.0) >= PEER_SPEED]
+
+    def _wait_for_partners(self, share: int, counts: dict[int, int]) -> tuple[float, bool]:
+        """Under the lock: wait until every partner's count has reached this share's, at most
+        `wait` times this share's own last step; returns (seconds waited, whether one was late).
+        """
+        self.arrived.notify_all()
+        if not self.partners(share):
+            return 0.0, False
+        mine = counts[share]
+        began = time.monotonic()
+        bound = self.wait * self.step_seconds.get(share, began - self.returned.get(share, began))
+        arrived = self.arrived.wait_for(
+            lambda: all(counts.get(i, 0) >= mine for i in self.partners(share)), timeout=bound
+        )
+        waited = time.monotonic() - began
+        if share in self.members:
+            self.members[share].waited_seconds = round(
+                self.members[share].waited_seconds + waited, 3
+            )
+        return waited, not arrived
 
     def result(self) -> tuple[dict, list[dict], list[dict]]:
         """The global adapter, every sync and every share's membership."""
@@ -199,10 +279,12 @@ class Averager:
         )
         return {k: state.weights[k].to(like[k].dtype) for k in like}
 
-    def _apply(self, share: int, weights: dict, turns: int, final: bool) -> None:
-        if share not in self.given:  # dropped as gone, then heard from again: it rejoins
+    def _apply(self, share: int, weights: dict, turns: int, final: bool) -> Sync | None:
+        """The movement applied and listed; None for a share dropped as gone and heard from
+        again: it rejoins, handed the global, its movement not applied."""
+        if share not in self.given:
             self._hand(share, like=self.state.weights)
-            return
+            return None
         handed, version, turns_then = self.given[share]
         state = self.state
         fresh = self.freshness(turns, state.turns_in - turns_then)
@@ -223,12 +305,12 @@ class Averager:
                 w += mu * state.momentum[k]
                 state.pending[k].zero_()
             state.arrivals = 0
-        self.syncs.append(
-            Sync(share, turns, staleness, round(scale, 4), self.minute(), final, round(fresh, 4))
-        )
+        sync = Sync(share, turns, staleness, round(scale, 4), self.minute(), final, round(fresh, 4))
+        self.syncs.append(sync)
         member = self.members[share]
         member.turns_synced += turns
         member.syncs += 1
+        return sync
 
 
 class LocalLink:

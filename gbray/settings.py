@@ -336,6 +336,13 @@ class RoundSettings:
         "(not yet taken), at sqrt(turns pooled / its own) times the rate; nobody waits (needs "
         "averaging)",
     )
+    pool_wait: float = setting(
+        0.0,
+        "with --pool-gradients: shares of about equal speed step together, each waiting at "
+        "every step and sync for the others' gradients and movements, at most this many times "
+        "its own step's time (0: nobody waits; a share under 0.8 of the fastest's speed is "
+        "never waited for and never waits)",
+    )
     share_joins: bool = setting(
         False,
         "keep a part of the slice back (one share's worth) for a machine that joins the cluster "
@@ -399,6 +406,10 @@ class RoundSettings:
             problems.append("--outer-lr must be > 0 and --outer-momentum in [0, 1)")
         if self.pool_gradients and self.share_average_minutes == 0:
             problems.append("--pool-gradients needs averaging (--share-average-minutes > 0)")
+        if not self.pool_wait >= 0:
+            problems.append("--pool-wait must be >= 0")
+        if self.pool_wait > 0 and not self.pool_gradients:
+            problems.append("--pool-wait needs --pool-gradients")
         if self.share_joins and self.share_average_minutes == 0:
             problems.append("--share-joins needs averaging (--share-average-minutes > 0)")
         if not self.share_grace > 0:

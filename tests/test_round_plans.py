@@ -59,6 +59,11 @@ def test_pooled_gradients_need_shares_that_sync():
         RoundSettings(
             data=Path("d"), shares=2, pool_gradients=True, share_average_minutes=0
         ).validate()
+    RoundSettings(data=Path("d"), shares=2, pool_gradients=True, pool_wait=1.0).validate()
+    with pytest.raises(ValueError, match="--pool-wait needs --pool-gradients"):
+        RoundSettings(data=Path("d"), shares=2, pool_wait=1.0).validate()
+    with pytest.raises(ValueError, match="--pool-wait must be >= 0"):
+        RoundSettings(data=Path("d"), shares=2, pool_gradients=True, pool_wait=-1).validate()
 
 
 def test_an_unfinished_rounds_files_are_kept_aside_without_overwriting_another(tmp_path):
