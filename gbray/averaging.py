@@ -31,8 +31,9 @@ time. Started from one global and handed the same pooled gradient at every step,
 and Adam moments stay alike, so each step is one step on all their turns at the current weights
 (benchmarks/stale_gradients.py: a gradient one step stale is worth about half). A partner later
 than the bound is not waited for (that step is taken on the turns at hand), and a share much
-slower than the fastest (a third of its speed) never holds the others back: it pools and syncs
-without waiting, as above.
+slower than the fastest (by its measured speed, or once it has stepped by its steps' times: a
+joiner's speed is not measured) never holds the others back: it pools and syncs without
+waiting, as above.
 
 Outer lr 1 without momentum is the plain average of the shares' movements; outer lr = shares is
 their sum (each share's turns count as if one trainer had trained them in turn). The choice and
@@ -126,7 +127,8 @@ class Averager:
         self.taken: dict[tuple[int, int], int] = {}
         # Stepping together: share -> its steps posted and syncs made (counted from the others'
         # when it joined, so a late joiner is in step), when its last step's call returned, and
-        # how long its last step took from there (the unit of its bound).
+        # how long its steps take from there (a moving average: the unit of its bound, and
+        # what tells equal shares from slow ones once they have stepped).
         self.steps: dict[int, int] = {}
         self.rounds: dict[int, int] = {}
         self.returned: dict[int, float] = {}
@@ -195,7 +197,9 @@ class Averager:
             number = self.steps.get(share, 0) + 1
             self.steps[share] = number
             if share in self.returned:
-                self.step_seconds[share] = time.monotonic() - self.returned[share]
+                took = time.monotonic() - self.returned[share]
+                last = self.step_seconds.get(share, took)
+                self.step_seconds[share] = 0.8 * last + 0.2 * took
             self.board[share] = (number, grads, turns)
             _, late = self._wait_for_partners(share, self.steps)
             if late and share in self.members:
@@ -234,10 +238,21 @@ class Averager:
 
     def partners(self, share: int) -> list[int]:
         """The live shares this one steps together with: none unless stepping together, and none
-        for a share below PEER_SPEED of the fastest (it must never hold the others back)."""
-        if self.wait <= 0 or self.speeds.get(share, 1.0) < PEER_SPEED:
+        of a pace unlike its own (a slow share must never hold the others back)."""
+        if self.wait <= 0:
             return []
-        return [i for i in self.given if i != share and self.speeds.get(i, 1.0) >= PEER_SPEED]
+        return [i for i in self.given if i != share and self.alike(share, i)]
+
+    def alike(self, a: int, b: int) -> bool:
+        """Whether two shares step at about one pace: both at least PEER_SPEED of the fastest's
+        measured speed, and, once both have stepped, their steps' times within that ratio (a
+        joiner's speed is not measured before it trains)."""
+        if min(self.speeds.get(a, 1.0), self.speeds.get(b, 1.0)) < PEER_SPEED:
+            return False
+        if a in self.step_seconds and b in self.step_seconds:
+            fast, slow = sorted((self.step_seconds[a], self.step_seconds[b]))
+            return slow == 0 or fast / slow >= PEER_SPEED
+        return True
 
     def _wait_for_partners(self, share: int, counts: dict[int, int]) -> tuple[float, bool]:
         """Under the lock: wait until every partner's count has reached this share's, at most
