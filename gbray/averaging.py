@@ -26,8 +26,8 @@ steps on its own turns. The positions are still averaged every few turns as abov
 
 Stepping together (`--pool-wait F`) makes pooled gradients two machines in lockstep: shares of
 about the fastest's speed (PEER_SPEED) wait at each step for each other's gradient of the same
-step, and at each sync for each other's movement, at most F times the waiting share's own step
-time. Started from one global and handed the same pooled gradient at every step, their weights
+step, and at each sync for each other's movement, at most F times the waiting share's step
+time (a moving average). Started from one global and handed the same pooled gradient at every step, their weights
 and Adam moments stay alike, so each step is one step on all their turns at the current weights
 (benchmarks/stale_gradients.py: a gradient one step stale is worth about half). A partner later
 than the bound is not waited for (that step is taken on the turns at hand), and a share much
@@ -93,7 +93,9 @@ class OuterState:
     turns_in: int = 0  # turns behind every movement applied so far
 
 
-# Shares at least this part of the fastest's measured speed step together under `--pool-wait`.
+# Under `--pool-wait`, shares step together when both have at least this part of the fastest's
+# measured speed and, once both have stepped, the shorter step time is at least this part of the
+# longer.
 PEER_SPEED = 0.8
 
 
@@ -256,8 +258,8 @@ class Averager:
 
     def _wait_for_partners(self, share: int, counts: dict[int, int]) -> tuple[float, bool]:
         """Under the lock: wait until every partner's count has reached this share's, at most
-        `wait` times this share's own last step; returns (seconds waited, whether one was late).
-        """
+        `wait` times this share's step time (a moving average); returns (seconds waited, whether
+        one was late)."""
         self.arrived.notify_all()
         if not self.partners(share):
             return 0.0, False
