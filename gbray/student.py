@@ -10,16 +10,19 @@ weights: the real model's compute, for benchmarks.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 import random
 import re
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from gbray.data.fit import Example, collate, fit_prompt
-from gbray.data.turns import TurnIndex, index_folder
+from gbray.data.turns import TurnIndex, check_folder, index_folder
 
 log = logging.getLogger(__name__)
 
@@ -305,3 +308,67 @@ def build_student(settings: StudentSettings) -> dict:
     }
     (settings.out / "student.json").write_text(json.dumps(record, indent=2))
     return record
+
+
+# Part of every cache key: raise it when build_student writes another student for the same
+# settings and corpus, so no student built by older code is handed out.
+STUDENT_FORMAT = 1
+
+
+def cache_root() -> Path:
+    """Where gbray keeps what it can rebuild: $GBRAY_CACHE, else $XDG_CACHE_HOME/gbray, else
+    ~/.cache/gbray."""
+    if os.environ.get("GBRAY_CACHE"):
+        return Path(os.environ["GBRAY_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "gbray"
+
+
+def student_key(settings: StudentSettings) -> str | None:
+    """What a built student is kept under: its settings (not where it is written, nor its
+    threads), the corpus's bytes, and the versions that build it. None for a student pre-trained
+    by the clock, which is another student on another machine."""
+    if settings.pretrain_seconds is not None:
+        return None
+    import tokenizers
+    import torch
+    import transformers
+
+    what = {k: v for k, v in asdict(settings).items() if k not in ("data", "out", "threads")}
+    digest = hashlib.sha256()
+    versions = (STUDENT_FORMAT, torch.__version__, transformers.__version__, tokenizers.__version__)
+    digest.update(json.dumps([what, versions], sort_keys=True).encode())
+    for path in check_folder(settings.data):
+        with open(path, "rb") as f:
+            while block := f.read(1 << 20):
+                digest.update(block)
+    return digest.hexdigest()[:32]
+
+
+def build_student_kept(
+    settings: StudentSettings, cache: Path, fresh: bool = False
+) -> tuple[dict, Path | None]:
+    """The student build_student writes, copied from `cache` when one of the same key was built
+    before (pre-training takes minutes; `fresh`: built anyway); else built and kept there.
+    Returns its record and the folder it was copied from (None: built now)."""
+    key = student_key(settings)
+    if key is None:
+        return build_student(settings), None
+    kept = cache / "students" / key
+    if not fresh and (kept / "student.json").is_file():
+        shutil.copytree(kept, settings.out, dirs_exist_ok=True)
+        record = json.loads((kept / "student.json").read_text())
+        record["settings"]["out"] = str(settings.out)
+        (settings.out / "student.json").write_text(json.dumps(record, indent=2))
+        return record, kept
+    record = build_student(settings)
+    # Written aside and renamed, so a reader never finds half a student.
+    aside = kept.with_name(f".{key}.{os.getpid()}")
+    shutil.rmtree(aside, ignore_errors=True)
+    shutil.copytree(settings.out, aside)
+    shutil.rmtree(kept, ignore_errors=True)
+    try:
+        aside.rename(kept)
+    except OSError:  # another process kept the same student first
+        shutil.rmtree(aside, ignore_errors=True)
+    return record, None

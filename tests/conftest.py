@@ -25,6 +25,15 @@ def raw_student(corpus, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session", autouse=True)
+def student_cache(tmp_path_factory) -> Path:
+    """The session's student cache: the demo's subprocess keeps its student here, never in the
+    user's ~/.cache/gbray, so every run builds it as a fresh machine does."""
+    cache = tmp_path_factory.mktemp("cache")
+    os.environ["GBRAY_CACHE"] = str(cache)
+    return cache
+
+
 @pytest.fixture(scope="session")
 def learnable(tmp_path_factory) -> tuple[Path, Path]:
     """A corpus a tiny student learns well in minutes (14 tools, short pages) and that student,

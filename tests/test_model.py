@@ -1,3 +1,4 @@
+import json
 import math
 
 import pytest
@@ -236,3 +237,44 @@ def test_a_tiny_student_is_pretrained_a_set_number_of_steps_and_is_the_same_each
     assert all(torch.allclose(weights[0][k], weights[1][k], atol=1e-4) for k in weights[0])
     with pytest.raises(ValueError, match="--pretrain-steps"):
         StudentSettings(data=corpus, out=tmp_path, pretrain_steps=-1).validate()
+
+
+def test_a_kept_student_is_handed_out_only_for_the_same_settings_and_corpus(corpus, tmp_path):
+    """The student cache: a second build of the same settings on the same corpus is a copy of
+    the first (no pre-training); another setting, another corpus or a student pre-trained by the
+    clock is built anew."""
+    import shutil
+
+    from gbray.student import StudentSettings, build_student_kept, student_key
+
+    cache = tmp_path / "cache"
+
+    def build(name, data=corpus, **kw):
+        settings = StudentSettings(
+            data=data, out=tmp_path / name, vocab=600, pretrain_steps=2, **kw
+        )
+        return build_student_kept(settings, cache), settings
+
+    (first, kept), settings = build("a")
+    assert kept is None and first["pretraining"]["steps"] == 2
+    (again, kept), _ = build("b", threads=1)  # threads are not part of what a student is
+    assert kept == cache / "students" / student_key(settings)
+    assert (tmp_path / "b" / "model.safetensors").read_bytes() == (
+        tmp_path / "a" / "model.safetensors"
+    ).read_bytes()
+    assert json.loads((tmp_path / "b" / "student.json").read_text())["settings"]["out"] == str(
+        tmp_path / "b"
+    )
+    assert build("c", seed=1)[0][1] is None
+    other = tmp_path / "other"
+    shutil.copytree(corpus, other)
+    with open(other / "train.jsonl", "rb+") as f:
+        lines = f.readlines()[:-1]
+        f.seek(0)
+        f.truncate()
+        f.writelines(lines)
+    assert build("d", data=other)[0][1] is None
+    (timed, kept), timed_settings = build("e", pretrain_seconds=0.5)
+    assert kept is None and student_key(timed_settings) is None
+    assert build("f")[0][1] is not None
+    assert build_student_kept(settings, cache, fresh=True)[1] is None
