@@ -316,8 +316,9 @@ STUDENT_FORMAT = 1
 
 
 def cache_root() -> Path:
-    """Where gbray keeps what it can rebuild: $GBRAY_CACHE, else $XDG_CACHE_HOME/gbray, else
-    ~/.cache/gbray."""
+    """Where built students are kept (under students/): $GBRAY_CACHE, else
+    $XDG_CACHE_HOME/gbray, else ~/.cache/gbray. Fetched wheels keep their own place
+    (gbray.pretrained.default_cache), so a test session's cache never refetches one."""
     if os.environ.get("GBRAY_CACHE"):
         return Path(os.environ["GBRAY_CACHE"])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
