@@ -177,7 +177,8 @@ def shares_night(data, student, out: Path, minutes: float, seed: int, paper: int
         "every_turns": merge.get("every_turns"),
         "pooled_turns": [(r["training"] or {}).get("pooled_turns") for r in reports],
         "waited_seconds": [m.get("waited_seconds") for m in merge.get("members", [])],
-        "steps_alone": [m.get("steps_alone") for m in merge.get("members", [])],
+        "grouped": [m.get("grouped") for m in merge.get("members", [])],
+        "group_left": [m.get("group_left_why") for m in merge.get("members", [])],
     }
 
 

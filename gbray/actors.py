@@ -119,17 +119,36 @@ class TrainerActor:
 class AveragerLink:
     """A share's side of the night's averaging (the trainer's `sync`): a sync is due every
     `every_turns` turns it trains (the driver sets them from the fastest share's speed, so a slow
-    share syncs less often); each is one call to the averager actor, which waits for the other
-    shares only when they step together (`--pool-wait`), and then a bounded time."""
+    share syncs less often); each is one call to the averager actor. Pooled gradients go through
+    the averager too, or, stepping together (`--pool-wait`), through the group's all-reduce
+    (`gbray.peers`), made as the share joins."""
 
     def __init__(self, averager, index: int):
         self.averager, self.index = averager, index
         self.every_turns = float("inf")
         self.pools = False
+        self.together = None
 
     def join(self, weights: dict) -> dict:
-        self.every_turns, self.pools = ray.get(self.averager.every_turns.remote())
+        from gbray.averaging import PEER_SPEED
+        from gbray.peers import Together
+
+        self.every_turns, self.pools, place = ray.get(self.averager.plan.remote(self.index))
+        self.together = Together(
+            place,
+            ray.util.get_node_ip_address(),
+            post=lambda address: ray.get(self.averager.post_meeting.remote(address)),
+            fetch=lambda: ray.get(self.averager.meeting_point.remote()),
+            on_left=self._left_group,
+            peer_speed=PEER_SPEED,
+        )
+        self.pools = self.pools or self.together.stepping
         return ray.get(self.averager.join.remote(self.index, weights))
+
+    def _left_group(self, why: str) -> None:
+        self.pools = False
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.get(self.averager.leave_group.remote(self.index, why))
 
     def due(self, turns_since: int) -> bool:
         return turns_since >= self.every_turns
@@ -143,6 +162,8 @@ class AveragerLink:
             return weights
 
     def pool(self, grads: dict, turns: int) -> tuple[dict, int]:
+        if self.together.stepping:
+            return self.together.pool(grads, turns)
         try:
             return ray.get(self.averager.pool.remote(self.index, grads, turns))
         except ray.exceptions.RayError as e:  # the driver's machine gone: train on alone
@@ -151,6 +172,8 @@ class AveragerLink:
             return grads, turns
 
     def leave(self, weights: dict | None, turns: int) -> None:
+        if self.together is not None:  # a partner still stepping stops waiting for this one
+            self.together.close()
         # Waited on: the driver reads the global once every share's train call has returned.
         with contextlib.suppress(ray.exceptions.RayError):
             ray.get(self.averager.leave.remote(self.index, weights, turns))
@@ -171,9 +194,21 @@ class AveragerActor:
         self.every = turns
         self.averager.set_speeds(speeds)
 
-    def every_turns(self) -> tuple[float, bool]:
-        """Turns between syncs, and whether shares pool their step's gradients."""
-        return self.every, self.pools
+    def plan(self, index: int) -> tuple[float, bool, tuple[int, int] | None]:
+        """For a share: turns between syncs, whether it pools its steps' gradients through the
+        averager, and its place in the group stepping together (rank, size), if it is in it. A
+        share outside the group when shares step together neither pools nor waits."""
+        place = self.averager.place(index)
+        return self.every, self.pools and self.averager.wait == 0, place
+
+    def post_meeting(self, address: tuple[str, int]) -> None:
+        self.averager.post_meeting(address)
+
+    def meeting_point(self) -> tuple[str, int] | None:
+        return self.averager.meeting_point()
+
+    def leave_group(self, index: int, why: str) -> None:
+        self.averager.leave_group(index, why)
 
     def join(self, index: int, weights: dict) -> dict:
         return self.averager.join(index, weights)

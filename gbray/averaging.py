@@ -24,16 +24,15 @@ and takes back the mean of it and every other share's newest gradient it has not
 rate, Adam's rule for a larger batch. Nobody waits: a share whose partner has not stepped since
 steps on its own turns. The positions are still averaged every few turns as above.
 
-Stepping together (`--pool-wait F`) makes pooled gradients two machines in lockstep: shares of
-about the fastest's speed (PEER_SPEED) wait at each step for each other's gradient of the same
-step, and at each sync for each other's movement, at most F times the waiting share's step
-time (a moving average). Started from one global and handed the same pooled gradient at every step, their weights
-and Adam moments stay alike, so each step is one step on all their turns at the current weights
-(benchmarks/stale_gradients.py: a gradient one step stale is worth about half). A partner later
-than the bound is not waited for (that step is taken on the turns at hand), and a share much
-slower than the fastest (by its measured speed, or once it has stepped by its steps' times: a
-joiner's speed is not measured) never holds the others back: it pools and syncs without
-waiting, as above.
+Stepping together (`--pool-wait F`) makes the shares of about the fastest's measured speed
+(PEER_SPEED) two machines in lockstep: they form a group that sums every step's gradients in one
+all-reduce between their processes (`gbray.peers`; the averager tells them where to meet), and
+at each sync a member waits for its partners' movements, at most F times its time between syncs,
+so all are handed one global. Started from one global and handed the same pooled gradient at
+every step, their weights and Adam moments stay alike, so each step is one step on all their
+turns at the current weights (benchmarks/stale_gradients.py: a gradient one step stale is worth
+about half). A share not in the group (slower, or a joiner, whose speed is not measured) neither
+pools nor waits: it syncs as above.
 
 Outer lr 1 without momentum is the plain average of the shares' movements; outer lr = shares is
 their sum (each share's turns count as if one trainer had trained them in turn). The choice and
@@ -75,10 +74,12 @@ class Membership:
     left_minute: float | None = None
     turns_synced: int = 0
     syncs: int = 0
-    # Stepping together: seconds spent waiting for partners, and steps taken without a partner
-    # that was later than the bound.
+    # Stepping together: seconds spent waiting for partners' movements at syncs, whether it
+    # stepped in the group, and when and why its group ended for it (a partner gone or slow).
     waited_seconds: float = 0.0
-    steps_alone: int = 0
+    grouped: bool = False
+    group_left_minute: float | None = None
+    group_left_why: str | None = None
 
 
 @dataclass
@@ -93,10 +94,11 @@ class OuterState:
     turns_in: int = 0  # turns behind every movement applied so far
 
 
-# Under `--pool-wait`, shares step together when both have at least this part of the fastest's
-# measured speed and, once both have stepped, the shorter step time is at least this part of the
-# longer.
+# Under `--pool-wait`, the shares with at least this part of the fastest's measured speed step
+# together in a group; the group ends when one's steps take longer than the fastest's over it.
 PEER_SPEED = 0.8
+# The weight of the newest time between a member's syncs in its moving average.
+SYNC_TIME_SMOOTHING = 0.2
 
 
 class Averager:
@@ -123,18 +125,21 @@ class Averager:
         self.syncs: list[Sync] = []
         self.speeds: dict[int, float] = {}  # share -> speed relative to the fastest (1 unknown)
         self.lock = threading.Lock()
-        # Pooled gradients: share -> (post number, its newest step's gradients, their turns), and
-        # (reader, writer) -> the writer's last post the reader took.
+        # Pooled gradients: share -> (post number, its newest step's gradients, their turns), its
+        # posts so far (kept when it leaves the board), and (reader, writer) -> the writer's last
+        # post the reader took.
         self.board: dict[int, tuple[int, dict, int]] = {}
+        self.posts: dict[int, int] = {}
         self.taken: dict[tuple[int, int], int] = {}
-        # Stepping together: share -> its steps posted and syncs made (counted from the others'
-        # when it joined, so a late joiner is in step), when its last step's call returned, and
-        # how long its steps take from there (a moving average: the unit of its bound, and
-        # what tells equal shares from slow ones once they have stepped).
-        self.steps: dict[int, int] = {}
+        # Stepping together: the group's members (fixed by the speeds measured before the night;
+        # a member whose group ended leaves it), where they meet, each member's syncs made, when
+        # its last sync returned and its time between syncs (a moving average: the unit of its
+        # bound on waiting for its partners' movements).
+        self.group: list[int] = []
+        self.meeting: tuple[str, int] | None = None
         self.rounds: dict[int, int] = {}
         self.returned: dict[int, float] = {}
-        self.step_seconds: dict[int, float] = {}
+        self.sync_seconds: dict[int, float] = {}
         self.arrived = threading.Condition(self.lock)
 
     def set_speeds(self, speeds: dict[int, float]) -> None:
@@ -145,6 +150,34 @@ class Averager:
         top = max(speeds.values(), default=0.0)
         with self.lock:
             self.speeds = {i: v / top for i, v in speeds.items()} if top > 0 else {}
+            alike = sorted(i for i, v in self.speeds.items() if v >= PEER_SPEED)
+            self.group = alike if self.wait > 0 and len(alike) > 1 else []
+
+    def place(self, share: int) -> tuple[int, int] | None:
+        """Stepping together: this share's rank in the group and the group's size (None: it is
+        not in the group)."""
+        with self.lock:
+            if share not in self.group:
+                return None
+            return self.group.index(share), len(self.group)
+
+    def post_meeting(self, address: tuple[str, int]) -> None:
+        with self.lock:
+            self.meeting = tuple(address)
+
+    def meeting_point(self) -> tuple[str, int] | None:
+        with self.lock:
+            return self.meeting
+
+    def leave_group(self, share: int, why: str) -> None:
+        """A member whose group ended: it syncs on alone, and its partners wait for it no more."""
+        with self.lock:
+            if share in self.group:
+                self.group = [i for i in self.group if i != share]
+                if share in self.members:
+                    self.members[share].group_left_minute = self.minute()
+                    self.members[share].group_left_why = why
+            self.arrived.notify_all()
 
     def shares_worth(self) -> float:
         return sum(self.speeds.get(i, 1.0) for i in self.given)
@@ -171,9 +204,7 @@ class Averager:
                 self.state = OuterState(start, zeros, {k: v.clone() for k, v in zeros.items()})
             self.members.setdefault(share, Membership(share, self.minute()))
             self.members[share].left_minute = None
-            self.steps[share] = max(
-                (n for i, n in self.steps.items() if i in self.given), default=0
-            )
+            self.members[share].grouped |= share in self.group
             self.rounds[share] = max(
                 (n for i, n in self.rounds.items() if i in self.given), default=0
             )
@@ -187,26 +218,20 @@ class Averager:
             sync = self._apply(share, weights, turns, final=False)
             if sync is not None:
                 self.rounds[share] += 1
-                sync.waited_seconds = round(self._wait_for_partners(share, self.rounds)[0], 3)
+                sync.waited_seconds = round(self._wait_for_partners(share), 3)
+            took = time.monotonic() - self.returned.get(share, time.monotonic())
+            last = self.sync_seconds.get(share, took)
+            self.sync_seconds[share] = (1 - SYNC_TIME_SMOOTHING) * last + SYNC_TIME_SMOOTHING * took
+            self.returned[share] = time.monotonic()
             return self._hand(share, like=weights)
 
     def pool(self, share: int, grads: dict, turns: int) -> tuple[dict, int]:
         """This share's step's gradients in; out, their mean with each other live share's
-        newest step it has not taken yet, weighted by turns, and the turns behind that mean
-        (stepping together: once its partners' gradients of the same step are in, or the bound
-        has passed)."""
+        newest step it has not taken yet, weighted by turns, and the turns behind that mean."""
         with self.lock:
-            number = self.steps.get(share, 0) + 1
-            self.steps[share] = number
-            if share in self.returned:
-                took = time.monotonic() - self.returned[share]
-                last = self.step_seconds.get(share, took)
-                self.step_seconds[share] = 0.8 * last + 0.2 * took
+            number = self.posts.get(share, 0) + 1
+            self.posts[share] = number
             self.board[share] = (number, grads, turns)
-            _, late = self._wait_for_partners(share, self.steps)
-            if late and share in self.members:
-                self.members[share].steps_alone += 1
-            self.returned[share] = time.monotonic()
             total = {k: v.float() * turns for k, v in grads.items()}
             pooled = turns
             for other, (posted, theirs, t) in self.board.items():
@@ -239,42 +264,30 @@ class Averager:
             self.arrived.notify_all()
 
     def partners(self, share: int) -> list[int]:
-        """The live shares this one steps together with: none unless stepping together, and none
-        of a pace unlike its own (a slow share must never hold the others back)."""
-        if self.wait <= 0:
+        """The live members of this share's group (none if it is not in one)."""
+        if share not in self.group:
             return []
-        return [i for i in self.given if i != share and self.alike(share, i)]
+        return [i for i in self.group if i != share and i in self.given]
 
-    def alike(self, a: int, b: int) -> bool:
-        """Whether two shares step at about one pace: both at least PEER_SPEED of the fastest's
-        measured speed, and, once both have stepped, their steps' times within that ratio (a
-        joiner's speed is not measured before it trains)."""
-        if min(self.speeds.get(a, 1.0), self.speeds.get(b, 1.0)) < PEER_SPEED:
-            return False
-        if a in self.step_seconds and b in self.step_seconds:
-            fast, slow = sorted((self.step_seconds[a], self.step_seconds[b]))
-            return slow == 0 or fast / slow >= PEER_SPEED
-        return True
-
-    def _wait_for_partners(self, share: int, counts: dict[int, int]) -> tuple[float, bool]:
-        """Under the lock: wait until every partner's count has reached this share's, at most
-        `wait` times this share's step time (a moving average); returns (seconds waited, whether
-        one was late)."""
+    def _wait_for_partners(self, share: int) -> float:
+        """Under the lock: wait until every partner has synced as often as this share, at most
+        `wait` times this share's time between syncs; returns the seconds waited."""
         self.arrived.notify_all()
         if not self.partners(share):
-            return 0.0, False
-        mine = counts[share]
+            return 0.0
+        mine = self.rounds[share]
         began = time.monotonic()
-        bound = self.wait * self.step_seconds.get(share, began - self.returned.get(share, began))
-        arrived = self.arrived.wait_for(
-            lambda: all(counts.get(i, 0) >= mine for i in self.partners(share)), timeout=bound
+        bound = self.wait * self.sync_seconds.get(share, began - self.returned.get(share, began))
+        self.arrived.wait_for(
+            lambda: all(self.rounds.get(i, 0) >= mine for i in self.partners(share)),
+            timeout=bound,
         )
         waited = time.monotonic() - began
         if share in self.members:
             self.members[share].waited_seconds = round(
                 self.members[share].waited_seconds + waited, 3
             )
-        return waited, not arrived
+        return waited
 
     def result(self) -> tuple[dict, list[dict], list[dict]]:
         """The global adapter, every sync and every share's membership."""
@@ -332,13 +345,27 @@ class Averager:
 
 class LocalLink:
     """A share's side of the averaging when the averager is in its own process (the trainer's
-    `sync`; gbray.actors.AveragerLink is the same over Ray): a sync every `every_turns` turns."""
+    `sync`; gbray.actors.AveragerLink is the same over Ray): a sync every `every_turns` turns.
+    Shares in threads of one process step together as those on machines do (`gbray.peers`,
+    over 127.0.0.1)."""
 
     def __init__(self, averager: Averager, index: int, every_turns: float, pools: bool = False):
         self.averager, self.index, self.every_turns = averager, index, every_turns
         self.pools = pools
+        self.together = None
 
     def join(self, weights: dict) -> dict:
+        from gbray.peers import Together
+
+        self.together = Together(
+            self.averager.place(self.index),
+            "127.0.0.1",
+            self.averager.post_meeting,
+            self.averager.meeting_point,
+            on_left=lambda why: self.averager.leave_group(self.index, why),
+            peer_speed=PEER_SPEED,
+        )
+        self.pools = (self.pools and self.averager.wait == 0) or self.together.stepping
         return self.averager.join(self.index, weights)
 
     def due(self, turns_since: int) -> bool:
@@ -348,9 +375,13 @@ class LocalLink:
         return self.averager.exchange(self.index, weights, turns)
 
     def pool(self, grads: dict, turns: int) -> tuple[dict, int]:
+        if self.together.stepping:
+            return self.together.pool(grads, turns)
         return self.averager.pool(self.index, grads, turns)
 
     def leave(self, weights: dict | None, turns: int) -> None:
+        if self.together is not None:
+            self.together.close()
         self.averager.leave(self.index, weights, turns)
 
 

@@ -338,10 +338,11 @@ class RoundSettings:
     )
     pool_wait: float = setting(
         0.0,
-        "with --pool-gradients: shares of about equal speed step together, each waiting at "
-        "every step and sync for the others' gradients and movements, at most this many times "
-        "its own step's time (0: nobody waits; a share under 0.8 of the fastest's speed is "
-        "never waited for and never waits)",
+        "with --pool-gradients: shares of about equal speed step together, summing every "
+        "step's gradients in one all-reduce between their machines (gloo over TCP), and at "
+        "every sync each waits for the others' movements, at most this many times its time "
+        "between syncs (0: nobody waits; a share under 0.8 of the fastest's speed, or a "
+        "joiner, is not in the group: it neither pools nor waits)",
     )
     share_joins: bool = setting(
         False,
