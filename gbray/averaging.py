@@ -131,11 +131,13 @@ class Averager:
         self.board: dict[int, tuple[int, dict, int]] = {}
         self.posts: dict[int, int] = {}
         self.taken: dict[tuple[int, int], int] = {}
-        # Stepping together: the group's members (fixed by the speeds measured before the night;
-        # a member whose group ended leaves it), where they meet, each member's syncs made, when
-        # its last sync returned and its time between syncs (a moving average: the unit of its
-        # bound on waiting for its partners' movements).
+        # Stepping together: the group's live members (chosen by the speeds measured before the
+        # night; a member whose group ended leaves it), their ranks, who was placed, where they
+        # meet, each member's syncs made, when its last sync returned and its time between syncs
+        # (a moving average: the unit of its bound on waiting for its partners' movements).
         self.group: list[int] = []
+        self.ranks: dict[int, int] = {}  # the group as it met: share -> its rank
+        self.placed: set[int] = set()
         self.meeting: tuple[str, int] | None = None
         self.rounds: dict[int, int] = {}
         self.returned: dict[int, float] = {}
@@ -152,14 +154,21 @@ class Averager:
             self.speeds = {i: v / top for i, v in speeds.items()} if top > 0 else {}
             alike = sorted(i for i, v in self.speeds.items() if v >= PEER_SPEED)
             self.group = alike if self.wait > 0 and len(alike) > 1 else []
+            self.ranks = {share: rank for rank, share in enumerate(self.group)}
 
     def place(self, share: int) -> tuple[int, int] | None:
-        """Stepping together: this share's rank in the group and the group's size (None: it is
-        not in the group)."""
+        """Stepping together: this share's rank in the group and the group's size, once a night
+        (None: it is not in the group). A share that asks again was started again (its process
+        or machine lost): its group has met and gone on, so it trains on outside it."""
         with self.lock:
-            if share not in self.group:
+            if share not in self.ranks:
                 return None
-            return self.group.index(share), len(self.group)
+            if share in self.placed:
+                self.group = [i for i in self.group if i != share]
+                self.arrived.notify_all()
+                return None
+            self.placed.add(share)
+            return self.ranks[share], len(self.ranks)
 
     def post_meeting(self, address: tuple[str, int]) -> None:
         with self.lock:

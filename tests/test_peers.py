@@ -44,6 +44,9 @@ def test_shares_of_alike_speed_form_the_group_and_a_slow_one_stays_out_of_it():
     averager.exchange(1, weights(1.0), 8)
     assert time.monotonic() - began < 0.1 and averager.partners(1) == []
     assert averager.partners(0) == [2]
+    # A share placed again was started again (its process lost): its group has gone on without
+    # it, so it steps outside the group and nobody waits for it.
+    assert averager.place(2) is None and averager.partners(0) == []
     # Without --pool-wait there is no group.
     apart = Averager()
     apart.set_speeds({0: 1.0, 1: 1.0})
