@@ -32,6 +32,16 @@ def a_group(averager: Averager, shares=(0, 1)) -> dict[int, StepGroup]:
     return made
 
 
+def a_night_of_two(wait: float) -> tuple[Averager, dict[int, StepGroup]]:
+    """Two shares of one speed: their averager, both joined, and their group."""
+    averager = Averager(wait=wait)
+    averager.set_speeds({0: 1.0, 1: 1.0})
+    group = a_group(averager)
+    for share in (0, 1):
+        averager.join(share, weights(0.0))
+    return averager, group
+
+
 def test_shares_of_alike_speed_form_the_group_and_a_slow_one_stays_out_of_it():
     averager = Averager(wait=1.0)
     averager.set_speeds({0: 3.0, 1: 1.0, 2: 2.9})
@@ -54,11 +64,7 @@ def test_shares_of_alike_speed_form_the_group_and_a_slow_one_stays_out_of_it():
 
 
 def test_a_group_steps_on_the_turn_weighted_mean_and_is_handed_one_global():
-    averager = Averager(wait=2.0)
-    averager.set_speeds({0: 1.0, 1: 1.0})
-    group = a_group(averager)
-    for share in (0, 1):
-        averager.join(share, weights(0.0))
+    averager, group = a_night_of_two(wait=2.0)
     first, got = in_thread(group[0].pool, weights(1.0), 8)
     time.sleep(0.05)  # the partner is a little late: the first waits for its step
     theirs, turns = group[1].pool(weights(3.0), 4)
@@ -81,11 +87,7 @@ def test_a_group_steps_on_the_turn_weighted_mean_and_is_handed_one_global():
 
 
 def test_a_partner_that_leaves_ends_the_group_at_once_and_the_wait_for_it():
-    averager = Averager(wait=50.0)
-    averager.set_speeds({0: 1.0, 1: 1.0})
-    group = a_group(averager)
-    for share in (0, 1):
-        averager.join(share, weights(0.0))
+    averager, group = a_night_of_two(wait=50.0)
     left = []
     together = Together(None, "", None, None, left.append, PEER_SPEED)
     together.group = group[0]
