@@ -26,13 +26,14 @@ gains that N machines get in the same hours.
     python benchmarks/shares_scaling.py --minutes 2 --seeds 1   # a quick look
 
 `--variants` compares ways of joining shares: `default` (`gbray round`'s own, no joining
-flag), `outer_lr:outer_momentum` (the averager's outer optimizer, syncing every
+flag: shares of equal speed step together, every step's gradients summed between them),
+`apart` (`--no-step-together`: each share steps on its own turns, the average every sync),
+`outer_lr:outer_momentum` (apart, the averager's outer optimizer, syncing every
 `--sync-minutes`; `2:0 --sync-minutes 0.001` adds every share's step whole after each step),
-`pool` (`--pool-gradients`: the average every `--sync-minutes`, and at every step each share
-steps on its own and the other's newest gradients), `together[:F]` (the same, stepping together:
-`--pool-wait F`, default 1, each share waiting at every step for the other's gradient of that
-step, at most F of its own step's time) or `end` (no syncs: `cat` at the end, the exact average
-of the shares' updates). `--lockstep` adds the bound: N machines in lockstep.
+`pool` (apart, `--pool-gradients`: the average every `--sync-minutes`, and at every step each
+share steps on its own and the other's newest gradients), `together[:F]` (stepping together,
+syncing every `--sync-minutes`, `--pool-wait F`, default 1) or `end` (no syncs: `cat` at the end,
+the exact average of the shares' updates). `--lockstep` adds the bound: N machines in lockstep.
 
 `--bound steps` ends every night by its data instead of its time: one trainer at H trains a
 slice of `--turns-at-h` turns (1,320: what one does in 3 minutes on 150-token pages on 2 cores
@@ -137,18 +138,20 @@ def shares_night(data, student, out: Path, minutes: float, seed: int, paper: int
                  variant: str, sync_minutes: float, *flags: str) -> dict:  # fmt: skip
     if variant == "default":
         join = []
+    elif variant == "apart":
+        join = ["--no-step-together"]
     elif variant == "end":
         join = ["--share-average-minutes", "0"]
     elif variant == "pool":
-        join = ["--share-average-minutes", str(sync_minutes), "--pool-gradients"]
+        join = ["--share-average-minutes", str(sync_minutes), "--no-step-together",
+                "--pool-gradients"]  # fmt: skip
     elif variant.startswith("together"):
         wait = variant.partition(":")[2] or "1"
-        join = ["--share-average-minutes", str(sync_minutes), "--pool-gradients", "--pool-wait",
-                wait]  # fmt: skip
+        join = ["--share-average-minutes", str(sync_minutes), "--pool-wait", wait]
     else:
         lr, momentum = variant.split(":")
-        join = ["--share-average-minutes", str(sync_minutes), "--outer-lr", lr,
-                "--outer-momentum", momentum]  # fmt: skip
+        join = ["--share-average-minutes", str(sync_minutes), "--no-step-together", "--outer-lr",
+                lr, "--outer-momentum", momentum]  # fmt: skip
     if not (out / "round.json").is_file():
         cluster = simulated_cluster([f"worker{i}" for i in range(shares)])
         try:
@@ -191,10 +194,12 @@ def main() -> None:
     ap.add_argument("--shares", type=int, nargs="+", default=[2],
                     help="share counts (one one-CPU node each; more than the cores is unfair)")  # fmt: skip
     ap.add_argument("--variants", nargs="+", default=["default"],
-                    help="how shares join: default (gbray round's own flags), "
-                    "outer_lr:outer_momentum every --sync-minutes, pool (the average every "
-                    "--sync-minutes and every step's gradients pooled), together[:F] (pool, "
-                    "stepping together: --pool-wait F, default 1), or end (cat at the end)")  # fmt: skip
+                    help="how shares join: default (gbray round's own flags: equal shares step "
+                    "together), apart (--no-step-together: each steps alone, syncing), "
+                    "outer_lr:outer_momentum every --sync-minutes (apart), pool (apart, the "
+                    "average every --sync-minutes and every step's gradients pooled), "
+                    "together[:F] (stepping together, syncing every --sync-minutes, "
+                    "--pool-wait F, default 1), or end (cat at the end)")  # fmt: skip
     ap.add_argument("--sync-minutes", type=float, default=0.15,
                     help="the fastest share's time between syncs")  # fmt: skip
     ap.add_argument("--lockstep", nargs="*", choices=["sqrt", "linear"], default=[],

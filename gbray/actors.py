@@ -120,7 +120,7 @@ class AveragerLink:
     """A share's side of the night's averaging (the trainer's `sync`): a sync is due every
     `every_turns` turns it trains (the driver sets them from the fastest share's speed, so a slow
     share syncs less often); each is one call to the averager actor. Pooled gradients go through
-    the averager too, or, stepping together (`--pool-wait`), through the group's all-reduce
+    the averager too, or, stepping together (`--step-together`), through the group's all-reduce
     (`gbray.peers`), made as the share joins."""
 
     def __init__(self, averager, index: int):
@@ -130,7 +130,6 @@ class AveragerLink:
         self.together = None
 
     def join(self, weights: dict) -> dict:
-        from gbray.averaging import PEER_SPEED
         from gbray.peers import Together
 
         self.every_turns, self.pools, place = ray.get(self.averager.plan.remote(self.index))
@@ -140,7 +139,6 @@ class AveragerLink:
             post=lambda address: ray.get(self.averager.post_meeting.remote(address)),
             fetch=lambda: ray.get(self.averager.meeting_point.remote()),
             on_left=self._left_group,
-            peer_speed=PEER_SPEED,
         )
         self.pools = self.pools or self.together.stepping
         return ray.get(self.averager.join.remote(self.index, weights))
@@ -159,6 +157,8 @@ class AveragerLink:
         except ray.exceptions.RayError as e:  # the driver's machine gone: train on alone
             logging.getLogger(__name__).warning("no averaging: %s", str(e).splitlines()[0])
             self.every_turns, self.pools = float("inf"), False
+            # Its partners' all-reduce then fails at once, where it would wait out its timeout.
+            self.together.close()
             return weights
 
     def pool(self, grads: dict, turns: int) -> tuple[dict, int]:

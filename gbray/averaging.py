@@ -17,14 +17,14 @@ bring in an even round (the jitter of equal shares) and in proportion beyond tha
 Nesterov momentum is updated once per outer step (as many arrivals as there are shares: the
 delayed Nesterov of Async Local-SGD), so a fast share does not build momentum on its own.
 
-With pooled gradients (`--pool-gradients`) the shares also come closer to one trainer taking
+With pooled gradients (`--no-step-together --pool-gradients`) the shares also come closer to one trainer taking
 steps on all their turns at once: at every step a share hands the averager its step's gradient
 and takes back the mean of it and every other share's newest gradient it has not taken yet
 (weighted by turns), and its own Adam steps on that at sqrt(turns pooled / its own) times the
 rate, Adam's rule for a larger batch. Nobody waits: a share whose partner has not stepped since
 steps on its own turns. The positions are still averaged every few turns as above.
 
-Stepping together (`--pool-wait F`) makes the shares of about the fastest's measured speed
+Stepping together (the default; `--pool-wait F`) makes the shares of about the fastest's measured speed
 (PEER_SPEED) two machines in lockstep: they form a group that sums every step's gradients in one
 all-reduce between their processes (`gbray.peers`; the averager tells them where to meet), and
 at each sync a member waits for its partners' movements, at most F times its time between syncs,
@@ -49,6 +49,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from gbray.peers import PEER_SPEED, Together
 
 
 @dataclass
@@ -94,9 +96,6 @@ class OuterState:
     turns_in: int = 0  # turns behind every movement applied so far
 
 
-# Under `--pool-wait`, the shares with at least this part of the fastest's measured speed step
-# together in a group; the group ends when one's steps take longer than the fastest's over it.
-PEER_SPEED = 0.8
 # The weight of the newest time between a member's syncs in its moving average.
 SYNC_TIME_SMOOTHING = 0.2
 
@@ -364,15 +363,12 @@ class LocalLink:
         self.together = None
 
     def join(self, weights: dict) -> dict:
-        from gbray.peers import Together
-
         self.together = Together(
             self.averager.place(self.index),
             "127.0.0.1",
             self.averager.post_meeting,
             self.averager.meeting_point,
             on_left=lambda why: self.averager.leave_group(self.index, why),
-            peer_speed=PEER_SPEED,
         )
         self.pools = (self.pools and self.averager.wait == 0) or self.together.stepping
         return self.averager.join(self.index, weights)

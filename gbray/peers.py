@@ -1,12 +1,12 @@
-"""Shares of equal speed stepping together (`--pool-wait`): at every optimizer step they sum their
-gradients, each weighted by its turns, in one all-reduce straight between their processes
-(torch.distributed's gloo over TCP), and each steps on the mean: two machines in lockstep, one
-step on both machines' turns.
+"""Shares of equal speed stepping together (`--step-together`, the default): at every optimizer
+step they sum their gradients, each weighted by its turns, in one all-reduce straight between
+their processes (torch.distributed's gloo over TCP), and each steps on the mean: two machines in
+lockstep, one step on both machines' turns.
 
 A step's exchange through the averager actor (a Ray call each way) cost a fifth of a share's
 steps on two cores, where an all-reduce of the tiny student's LoRA gradients takes a few
 milliseconds. The group is made once, at the start of the night, of the shares whose measured
-speeds are alike (`gbray.averaging.PEER_SPEED`); the averager only tells them where to meet.
+speeds are alike (`PEER_SPEED`); the averager only tells them where to meet.
 
 Nobody waits for a share that has gone: a partner whose process ends closes its sockets and the
 all-reduce fails at once; one whose machine vanished fails it after `timeout`. Either way the
@@ -29,6 +29,10 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
+# Stepping together, the shares with at least this part of the fastest's measured speed step
+# together in a group (`gbray.averaging` places them); the group ends when one's steps take longer
+# than the fastest's over it.
+PEER_SPEED = 0.8
 # How long a member waits for its partners to meet at the start, and for a partner's step.
 MEET_SECONDS = 120.0
 STEP_TIMEOUT_SECONDS = 60.0
@@ -158,7 +162,7 @@ class Together:
         post: Callable[[tuple[str, int]], None],
         fetch: Callable[[], tuple[str, int] | None],
         on_left: Callable[[str], None],
-        peer_speed: float,
+        peer_speed: float = PEER_SPEED,
     ):
         self.group: StepGroup | None = None
         self.on_left = on_left

@@ -413,7 +413,7 @@ class Round:
             outer_lr=s.outer_lr,
             outer_momentum=s.outer_momentum,
             pool_gradients=s.pool_gradients,
-            pool_wait=s.pool_wait,
+            pool_wait=s.together_wait,
             joins=s.share_joins,
             options=list(s.share_options),
         )

@@ -330,19 +330,24 @@ class RoundSettings:
     outer_momentum: float = setting(
         0.0, "the averager's Nesterov momentum, updated once per outer step (0: none)"
     )
+    step_together: bool = setting(
+        True,
+        "shares of about equal speed (at least 0.8 of the fastest's) step together, N "
+        "machines in lockstep: every optimizer step's gradients are summed in one all-reduce "
+        "between their machines (gloo over TCP) and each steps on all their turns at sqrt(N) "
+        "times the rate. A share that proves slow, or is lost, ends the group and each trains "
+        "on alone; a slower share or a joiner is never in it. Needs averaging",
+    )
     pool_gradients: bool = setting(
         False,
-        "shares pool every step's gradients: each steps on its own and the other shares' newest "
-        "(not yet taken), at sqrt(turns pooled / its own) times the rate; nobody waits (needs "
-        "averaging)",
+        "with --no-step-together: shares pool every step's gradients, each stepping on its own "
+        "and the other shares' newest (not yet taken) at sqrt(turns pooled / its own) times "
+        "the rate; nobody waits (needs averaging)",
     )
     pool_wait: float = setting(
-        0.0,
-        "with --pool-gradients: shares of about equal speed step together, summing every "
-        "step's gradients in one all-reduce between their machines (gloo over TCP), and at "
-        "every sync each waits for the others' movements, at most this many times its time "
-        "between syncs (0: nobody waits; a share under 0.8 of the fastest's speed, or a "
-        "joiner, is not in the group: it neither pools nor waits)",
+        1.0,
+        "stepping together: at each sync a member waits for its partners' movements at most "
+        "this many times its time between syncs, so all are handed one global (> 0)",
     )
     share_joins: bool = setting(
         False,
@@ -376,6 +381,11 @@ class RoundSettings:
     def fall_rule(self) -> FallRule:
         return FallRule(self.fall_points, self.fall_min_asked, self.fall_min_turns)
 
+    @property
+    def together_wait(self) -> float:
+        """The night's averager's wait bound for a group stepping together (0: no group)."""
+        return self.pool_wait if self.step_together else 0.0
+
     def validate(self) -> None:
         self.recipe.validate()
         problems = []
@@ -407,10 +417,12 @@ class RoundSettings:
             problems.append("--outer-lr must be > 0 and --outer-momentum in [0, 1)")
         if self.pool_gradients and self.share_average_minutes == 0:
             problems.append("--pool-gradients needs averaging (--share-average-minutes > 0)")
-        if not self.pool_wait >= 0:
-            problems.append("--pool-wait must be >= 0")
-        if self.pool_wait > 0 and not self.pool_gradients:
-            problems.append("--pool-wait needs --pool-gradients")
+        if not self.pool_wait > 0:
+            problems.append("--pool-wait must be > 0")
+        if self.pool_gradients and self.step_together:
+            problems.append(
+                "--pool-gradients pools without stepping together: add --no-step-together"
+            )
         if self.share_joins and self.share_average_minutes == 0:
             problems.append("--share-joins needs averaging (--share-average-minutes > 0)")
         if not self.share_grace > 0:

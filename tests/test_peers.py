@@ -57,7 +57,7 @@ def test_shares_of_alike_speed_form_the_group_and_a_slow_one_stays_out_of_it():
     # A share placed again was started again (its process lost): its group has gone on without
     # it, so it steps outside the group and nobody waits for it.
     assert averager.place(2) is None and averager.partners(0) == []
-    # Without --pool-wait there is no group.
+    # With no wait bound (--no-step-together) there is no group.
     apart = Averager()
     apart.set_speeds({0: 1.0, 1: 1.0})
     assert apart.place(0) is None and apart.place(1) is None
@@ -187,3 +187,44 @@ def test_two_share_actors_step_together_through_their_own_all_reduce(ray2):
     # Share 1 left after two steps: share 0's third all-reduce failed at once, and it stepped
     # on its own turns.
     assert first[2] == (1.0, 8), first
+
+
+def test_a_share_that_loses_the_averager_ends_its_group_so_its_partner_steps_on_at_once(ray2):
+    """A share whose sync finds the averager gone (the driver's machine lost) trains on alone
+    and closes its group: its partner's next all-reduce fails at once, not after its timeout."""
+    from gbray.actors import AveragerActor, AveragerLink
+
+    @ray2.remote(num_cpus=1)
+    class Share:
+        def __init__(self, averager, index: int):
+            self.link = AveragerLink(averager, index)
+
+        def night(self, steps: int, lose_averager_after: int | None) -> list:
+            def full(v: float) -> dict:
+                return {"a": torch.full((2, 3), v), "b": torch.full((3,), -v)}
+
+            self.link.join(full(0.0))
+            took = []
+            for step in range(steps):
+                if step == lose_averager_after:
+                    gone = AveragerActor.remote(1.0, 0.0)
+                    ray2.kill(gone)
+                    self.link.averager = gone
+                    moved = self.link.exchange(full(2.0), 8)
+                    took.append(("synced alone", moved["a"][0, 0].item(), self.link.pools))
+                    time.sleep(5)  # training on, no longer pooling
+                    return took
+                began = time.monotonic()
+                _, total = self.link.pool(full(1.0), 8)
+                took.append((total, time.monotonic() - began))
+            return took
+
+    averager = AveragerActor.remote(1.0, 0.0, True, 1.0)
+    ray2.get(averager.set_every_turns.remote(8, {0: 1.0, 1: 1.0}))
+    shares = [Share.remote(averager, 0), Share.remote(averager, 1)]
+    steady, lost = ray2.get([shares[0].night.remote(3, None), shares[1].night.remote(3, 1)])
+    # Its own weights back and no more pooling, where the averager was gone.
+    assert lost[1] == ("synced alone", 2.0, False), lost
+    assert [total for total, _ in steady] == [16, 8, 8], steady
+    # The step that met the closed group failed over at once (the timeout is 60 s).
+    assert steady[1][1] < 20, steady

@@ -54,16 +54,28 @@ def test_a_night_whose_every_share_was_lost_fails_naming_why():
 def test_pooled_gradients_need_shares_that_sync():
     from gbray.settings import RoundSettings
 
-    RoundSettings(data=Path("d"), shares=2, pool_gradients=True).validate()
+    apart = dict(data=Path("d"), shares=2, step_together=False)
+    RoundSettings(**apart, pool_gradients=True).validate()
     with pytest.raises(ValueError, match="--pool-gradients needs averaging"):
-        RoundSettings(
-            data=Path("d"), shares=2, pool_gradients=True, share_average_minutes=0
-        ).validate()
-    RoundSettings(data=Path("d"), shares=2, pool_gradients=True, pool_wait=1.0).validate()
-    with pytest.raises(ValueError, match="--pool-wait needs --pool-gradients"):
-        RoundSettings(data=Path("d"), shares=2, pool_wait=1.0).validate()
-    with pytest.raises(ValueError, match="--pool-wait must be >= 0"):
-        RoundSettings(data=Path("d"), shares=2, pool_gradients=True, pool_wait=-1).validate()
+        RoundSettings(**apart, pool_gradients=True, share_average_minutes=0).validate()
+    with pytest.raises(ValueError, match="add --no-step-together"):
+        RoundSettings(data=Path("d"), shares=2, pool_gradients=True).validate()
+    RoundSettings(data=Path("d"), shares=2, pool_wait=2.0).validate()
+    with pytest.raises(ValueError, match="--pool-wait must be > 0"):
+        RoundSettings(data=Path("d"), shares=2, pool_wait=0).validate()
+
+
+def test_shares_step_together_by_default_and_only_where_they_average():
+    """Stepping together is the shares' default (the night's averager is given its wait bound,
+    which forms the group); off, the bound is 0 and no group forms."""
+    from gbray.settings import RoundSettings
+
+    s = RoundSettings(data=Path("d"), shares=2)
+    s.validate()
+    assert s.step_together and s.together_wait == 1.0
+    apart = RoundSettings(data=Path("d"), shares=2, step_together=False)
+    apart.validate()
+    assert apart.together_wait == 0.0
 
 
 def test_an_unfinished_rounds_files_are_kept_aside_without_overwriting_another(tmp_path):
