@@ -276,8 +276,13 @@ def test_two_trainers_stepping_together_take_every_step_on_both_shares_turns(
         # Every step of the other's but those after this one had left.
         assert mine.pooled_turns >= other.turn_passes - 2 * 8, (mine, other)
         assert members[i]["grouped"], members
-    # LoRA's B starts at zero, so its size is how far the shares moved; they moved alike.
+    # LoRA's B starts at zero, so its size is how far the shares moved; they moved alike. Not
+    # exactly: the member whose time runs out second may take its last step alone, on its own
+    # turns, after its partner has left (CI once: a gap of 1.2% of the movement in a night of
+    # about a dozen steps). Two shares from one start on their own turns, neither pooling nor
+    # syncing, end half the movement apart (measured here once: 0.50 after 14 steps each).
+    assert abs(done[0].steps - done[1].steps) <= 1, (done[0].steps, done[1].steps)
     apart = [trainers[0].adapter_weights(), trainers[1].adapter_weights()]
     moved = max(v.abs().max().item() for k, v in apart[0].items() if "lora_B" in k)
     gap = max((apart[0][k] - apart[1][k]).abs().max().item() for k in apart[0])
-    assert moved > 0 and gap < 0.01 * moved, (gap, moved)
+    assert moved > 0 and gap < 0.05 * moved, (gap, moved)
