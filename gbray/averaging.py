@@ -17,22 +17,22 @@ bring in an even round (the jitter of equal shares) and in proportion beyond tha
 Nesterov momentum is updated once per outer step (as many arrivals as there are shares: the
 delayed Nesterov of Async Local-SGD), so a fast share does not build momentum on its own.
 
-With pooled gradients (`--no-step-together --pool-gradients`) the shares also come closer to one trainer taking
-steps on all their turns at once: at every step a share hands the averager its step's gradient
-and takes back the mean of it and every other share's newest gradient it has not taken yet
-(weighted by turns), and its own Adam steps on that at sqrt(turns pooled / its own) times the
-rate, Adam's rule for a larger batch. Nobody waits: a share whose partner has not stepped since
-steps on its own turns. The positions are still averaged every few turns as above.
+With pooled gradients (`--no-step-together --pool-gradients`) the shares also come closer to one
+trainer taking steps on all their turns at once: at every step a share hands the averager its step's
+gradient and takes back the mean of it and every other share's newest gradient it has not taken yet
+(weighted by turns), and its own Adam steps on that at sqrt(turns pooled / its own) times the rate,
+Adam's rule for a larger batch. Nobody waits: a share whose partner has not stepped since steps on
+its own turns. The positions are still averaged every few turns as above.
 
-Stepping together (the default; `--pool-wait F`) makes the shares of about the fastest's measured speed
-(PEER_SPEED) two machines in lockstep: they form a group that sums every step's gradients in one
-all-reduce between their processes (`gbray.peers`; the averager tells them where to meet), and
-at each sync a member waits for its partners' movements, at most F times its time between syncs,
-so all are handed one global. Started from one global and handed the same pooled gradient at
-every step, their weights and Adam moments stay alike, so each step is one step on all their
-turns at the current weights (benchmarks/stale_gradients.py: a gradient one step stale is worth
-about half). A share not in the group (slower, or a joiner, whose speed is not measured) neither
-pools nor waits: it syncs as above.
+Stepping together (the default; `--pool-wait F`) makes the shares of about the fastest's measured
+speed (PEER_SPEED) two machines in lockstep: they form a group that sums every step's gradients in
+one all-reduce between their processes (`gbray.peers`; the averager tells them where to meet), and
+at each sync a member waits for its partners' movements, at most F times its time between syncs, so
+all are handed one global. Started from one global and handed the same pooled gradient at every
+step, their weights and Adam moments stay alike, so each step is one step on all their turns at the
+current weights (benchmarks/stale_gradients.py: a gradient one step stale is worth about half). A
+share not in the group (slower, or a joiner, whose speed is not measured) neither pools nor waits:
+it syncs as above.
 
 Outer lr 1 without momentum is the plain average of the shares' movements; outer lr = shares is
 their sum (each share's turns count as if one trainer had trained them in turn). The choice and
