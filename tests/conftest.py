@@ -35,22 +35,22 @@ def student_cache(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def learnable(tmp_path_factory) -> tuple[Path, Path]:
-    """A corpus a tiny student learns well in minutes (14 tools, short pages) and that student,
-    pre-trained a fixed 420 steps (in CI about 75 s on 2 AVX-512 cores, 140 s on 2 AVX2-only
-    ones; steps, not seconds, so it is the same student on any machine). The round, shares and
-    exam tests share it; a test that changes the data works on a copy."""
+def learnable(tmp_path_factory, student_cache) -> tuple[Path, Path]:
+    """A corpus a tiny student learns well in minutes and that student: `gbray demo`'s own
+    (its corpus, 16 tools and 150-token pages, and its student, pre-trained a fixed 450 steps:
+    about 150 s on 2 AVX2-only cores). Built once, through the session's student cache, where
+    the demo's run finds it as a second run on one machine does, so a CI run pre-trains one
+    student, not two. The round, shares, exam and demo tests share it; a test that changes the
+    data works on a copy."""
+    from gbray.cli import DEMO_CORPUS
     from gbray.data.synth import SynthSettings, write_corpus
-    from gbray.student import StudentSettings, build_student
+    from gbray.student import StudentSettings, build_student_kept
 
     root = tmp_path_factory.mktemp("learnable")
-    write_corpus(
-        SynthSettings(
-            out=root / "data", turns=2500, eval_turns=300, seed=11, prompt_tokens=180, tools=14
-        )
-    )
-    build_student(
-        StudentSettings(data=root / "data", out=root / "student", pretrain_steps=420, vocab=1024)
+    write_corpus(SynthSettings(out=root / "data", seed=0, **DEMO_CORPUS))
+    build_student_kept(
+        StudentSettings(data=root / "data", out=root / "student", size="tiny", seed=0),
+        student_cache,
     )
     return root / "data", root / "student"
 

@@ -1,7 +1,9 @@
 """`gbray demo` end to end, on its embedded defaults (the README's first command), and the round it
 ran checked in full: a whole round on real Ray through a real hub, with a tiny student pre-trained
-here, on a corpus of other tools and lengths than the defaults. The slowest test module (about
-three and a half minutes): one demo serves every check."""
+here, on a corpus of other tools and lengths than the defaults. The student is the session's
+`learnable` one, built by the same code with the demo's settings into the session's student
+cache, where the demo finds it (as a second run of the demo on one machine does). The slowest test
+module (about three minutes): one demo serves every check."""
 
 import json
 import os
@@ -17,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
+def demo(tmp_path_factory, learnable):
     """The demo's stdout and the round.json it wrote. Secret-named variables are set in its
     environment, so the process records can be checked for leaving them out."""
     out = tmp_path_factory.mktemp("demo")
@@ -28,6 +30,8 @@ def demo(tmp_path_factory):
         capture_output=True, text=True, timeout=900, env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
+    # The session's student was the demo's own: not pre-trained a second time.
+    assert "built by an earlier run, copied from" in done.stdout, done.stdout[:2000]
     record = json.loads((out / "round" / "round.json").read_text())
     return done.stdout, record, out / "round"
 
