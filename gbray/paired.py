@@ -93,13 +93,27 @@ class FallRule:
     min_turns: int = 5
 
 
-def _score(fraction: tuple[int, int], answered) -> float:
-    """A tool's F1 in percent where the exam's answer count is a sane integer, else its
-    agreement (the old client sends no answer counts)."""
-    right, asked = fraction
+def _answer_count(fraction: tuple[int, int], answered) -> int | None:
+    right, _ = fraction
     if isinstance(answered, int) and not isinstance(answered, bool) and right <= answered:
-        return 200.0 * right / (asked + answered)
-    return 100.0 * right / asked
+        return answered
+    return None
+
+
+def _scores(before: tuple[int, int], after: tuple[int, int], row: dict) -> tuple[float, float]:
+    """A tool's F1 in percent before and after where both exams' answer counts are sane
+    integers, else its agreement on both sides (the old client sends no answer counts, nor does
+    a baseline it told): one measure for both, or the fall is not a fall."""
+    counts = (
+        _answer_count(before, row.get("answered_before")),
+        _answer_count(after, row.get("answered_after")),
+    )
+    if None in counts:
+        return 100.0 * before[0] / before[1], 100.0 * after[0] / after[1]
+    return tuple(
+        200.0 * right / (asked + answered)
+        for (right, asked), answered in zip((before, after), counts, strict=True)
+    )
 
 
 def fallen_tools(per_tool: dict, rule: FallRule) -> list[dict]:
@@ -112,9 +126,8 @@ def fallen_tools(per_tool: dict, rule: FallRule) -> list[dict]:
         before, after = _fraction(row.get("before")), _fraction(row.get("after"))
         if not before or not after or before[1] != after[1] or before[1] < rule.min_asked:
             continue
-        points = _score(after, row.get("answered_after")) - _score(
-            before, row.get("answered_before")
-        )
+        score_before, score_after = _scores(before, after, row)
+        points = score_after - score_before
         if points < -rule.points and before[0] - after[0] >= rule.min_turns:
             fell.append(
                 {"tool": tool, "before": row["before"], "after": row["after"], "points": points,

@@ -209,9 +209,9 @@ def per_tool(baseline: ExamResult | None, result: ExamResult | None) -> dict:
         return f"{row['right']}/{row['asked']}" if row else None
 
     def answered(exam, tool):
-        if exam is None:
-            return None
-        rows = exam.per_tool.values()
+        rows = exam.per_tool.values() if exam else ()
+        if not rows or not all("instead" in r for r in rows):
+            return None  # counts rebuilt from marks say nothing of what was answered instead
         return exam.per_tool.get(tool, {}).get("right", 0) + sum(
             r["instead"].get(tool, 0) for r in rows
         )

@@ -3,7 +3,7 @@ Torch-free, so the driver (and the hub) can hold them without loading torch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -30,29 +30,79 @@ class ExamResult:
     prefix_tokens: int | None = None
     stop_at_tool: bool | None = None
 
-    def on_the_wire(self) -> dict:
-        """As the hub protocol carries an exam result: `agreement_pct` and `turns` first."""
+    def on_the_wire(self, per_tool: bool = False) -> dict:
+        """As the hub protocol carries an exam result: `agreement_pct` and `turns` first. A told
+        baseline also carries its per-tool counts (`per_tool`, a field the old client neither
+        sends nor reads), so a round that reads it can still judge each tool's fall."""
         wire = {"agreement_pct": self.agreement_pct, "turns": self.turns}
         for key in ("right", "no_tool", "minutes", "by", "marks"):
             if getattr(self, key) is not None:
                 wire[key] = getattr(self, key)
         if self.near_ties:
             wire["near_ties"] = len(self.near_ties)
+        if per_tool and self.per_tool:
+            wire["per_tool"] = self.per_tool
         return {**wire, "source": self.source}
 
     @classmethod
     def from_hub(cls, exam: dict, by: str | None) -> ExamResult:
+        """A baseline the hub knew, from what a device told it (untrusted: a field that does
+        not add up is left out)."""
         keep = {
             k: exam[k]
             for k in ("right", "no_tool", "minutes")
             if isinstance(exam.get(k), int | float)
         }
+        turns = int(exam.get("turns") or 0)
         marks = exam.get("marks")
-        if isinstance(marks, str) and len(marks) == exam.get("turns") and set(marks) <= {"0", "1"}:
+        if isinstance(marks, str) and len(marks) == turns and set(marks) <= {"0", "1"}:
             keep["marks"] = marks
-        return cls(
-            float(exam["agreement_pct"]), int(exam.get("turns") or 0), **keep, source="hub", by=by
-        )
+            rows = sane_per_tool(exam.get("per_tool"), turns, marks.count("1"))
+            if rows:
+                keep["per_tool"] = rows
+        return cls(float(exam["agreement_pct"]), turns, **keep, source="hub", by=by)
+
+    def with_tools_from_marks(self, tools: list[str]) -> ExamResult:
+        """A known baseline without per-tool counts (told by the old client) given them from
+        its marks and the paper's tools, turn by turn: right and asked, not what was answered
+        instead (so the fallen-tool rule compares agreement, not F1, for it)."""
+        if self.per_tool or self.marks is None or len(self.marks) != len(tools):
+            return self
+        rows: dict[str, dict] = {}
+        for tool, mark in zip(tools, self.marks, strict=True):
+            row = rows.setdefault(tool, {"asked": 0, "right": 0})
+            row["asked"] += 1
+            row["right"] += mark == "1"
+        return replace(self, per_tool=rows)
+
+
+def sane_per_tool(rows, turns: int, right: int) -> dict | None:
+    """Per-tool counts as the examiner writes them ({tool: {asked, right, instead: {tool: n}}}),
+    or None where they are not that or do not add up to the exam's turns and right answers."""
+
+    def count(n) -> bool:
+        return isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= turns
+
+    if not isinstance(rows, dict) or not rows or len(rows) > turns:
+        return None
+    for tool, row in rows.items():
+        if not (isinstance(tool, str) and isinstance(row, dict)):
+            return None
+        instead = row.get("instead", {})
+        if not (count(row.get("asked")) and count(row.get("right")) and isinstance(instead, dict)):
+            return None
+        if row["right"] > row["asked"] or not all(
+            isinstance(t, str) and count(n) for t, n in instead.items()
+        ):
+            return None
+        if sum(instead.values()) != row["asked"] - row["right"]:
+            return None
+    if sum(r["asked"] for r in rows.values()) != turns:
+        return None
+    if sum(r["right"] for r in rows.values()) != right:
+        return None
+    return {t: {"asked": r["asked"], "right": r["right"], "instead": dict(r.get("instead", {}))}
+            for t, r in rows.items()}  # fmt: skip
 
 
 @dataclass

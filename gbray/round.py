@@ -316,7 +316,8 @@ class Round:
     def known_baseline(self, work: Work) -> tuple[ExamResult | None, dict | None]:
         answer = self.hub.ask_baseline(self.baseline_key(work))
         if answer and answer.get("known"):
-            return ExamResult.from_hub(answer["baseline"], answer.get("by")), answer
+            known = ExamResult.from_hub(answer["baseline"], answer.get("by"))
+            return known.with_tools_from_marks([t["tool"] for t in work.paper]), answer
         return None, answer
 
     def baseline(self, work: Work, start: str | None) -> Baseline:
@@ -377,7 +378,7 @@ class Round:
         # A freshly wrapped LoRA equals the bare start, so the baseline needs no trained model.
         baseline = self.finish_exam(launch or self.launch_exam(start, work, "baseline"), "baseline")
         if baseline is not None:
-            self.hub.tell_baseline(self.baseline_key(work), baseline.on_the_wire())
+            self.hub.tell_baseline(self.baseline_key(work), baseline.on_the_wire(per_tool=True))
         return baseline
 
     def train(self, work: Work, start: str | None) -> Trained:
@@ -534,6 +535,11 @@ class Round:
         if share_rounds:
             body["shares"] = share_rounds
         r.hub_adapter, r.hub_ended = uploaded, bool(self.hub.end(body))
+        if uploaded and result is not None:
+            # A score belongs to the adapter (SPEC §12): a night started from this one on this
+            # paper reads its baseline instead of sitting the same exam again.
+            start = {**self.baseline_key(work), "base": f"hub:{uploaded}"}
+            self.hub.tell_baseline(start, result.on_the_wire(per_tool=True))
         self.write()
 
     def note_comparison(self, compared: dict | None) -> None:

@@ -281,3 +281,70 @@ def _exam(asked, answered):
     from gbray.examiner import score
 
     return score(asked, answered)
+
+
+def test_a_known_baseline_keeps_its_per_tool_counts_so_a_fall_from_it_is_judged():
+    """A round whose baseline the hub knew (told by the round that measured it, or the result of
+    the night it starts from) compares tools as one that measured it: the counts travel with
+    the told baseline; from the old client, which sends none, they are rebuilt from the marks
+    and the paper, and the rule then compares agreement on both sides."""
+    from gbray.record import per_tool
+    from gbray.results import ExamResult
+
+    asked = ["open"] * 10 + ["read"] * 6 + ["click"] * 4
+    before = ExamResult(**_exam(asked, ["open"] * 10 + ["read"] * 6 + ["open"] * 4))
+    after = ExamResult(**_exam(asked, ["open"] * 10 + ["open"] * 6 + ["open"] * 4))
+    rule = FallRule(points=20, min_asked=5, min_turns=3)
+    measured = fallen_tools(per_tool(before, after), rule)
+    assert [f["tool"] for f in measured] == ["read"]
+
+    told = ExamResult.from_hub(before.on_the_wire(per_tool=True), "dev")
+    assert told.source == "hub" and told.per_tool == before.per_tool
+    assert fallen_tools(per_tool(told, after), rule) == measured
+    # The end body's baseline carries no per-tool counts (the perTool table does).
+    assert "per_tool" not in before.on_the_wire()
+
+    # The old client's told baseline: marks only. Rebuilt from the paper's tools.
+    bare = ExamResult.from_hub(before.on_the_wire(), "old")
+    assert bare.per_tool == {}
+    rebuilt = bare.with_tools_from_marks(asked)
+    assert rebuilt.per_tool == {"open": {"asked": 10, "right": 10},
+                                "read": {"asked": 6, "right": 6},
+                                "click": {"asked": 4, "right": 0}}  # fmt: skip
+    rows = per_tool(rebuilt, after)
+    assert rows["read"]["answered_before"] is None and rows["read"]["before"] == "6/6"
+    fell = fallen_tools(rows, rule)
+    assert [f["tool"] for f in fell] == ["read"] and fell[0]["points"] == -100  # agreement
+    assert bare.with_tools_from_marks(asked[:-1]) is bare  # another paper: left as it is
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        lambda rows: rows["open"].update(right=11),  # more right than asked
+        lambda rows: rows["open"].update(asked=True),  # a bool is not a count
+        lambda rows: rows["read"].update(asked=7),  # the turns do not add up
+        lambda rows: rows["read"]["instead"].update(open=-1),
+        lambda rows: rows.update(zoom="all of them"),
+    ],
+)
+def test_a_told_baselines_per_tool_counts_that_do_not_add_up_are_left_out(tamper):
+    from gbray.results import ExamResult
+
+    asked = ["open"] * 10 + ["read"] * 6
+    exam = ExamResult(**_exam(asked, ["open"] * 12 + ["read"] * 4))
+    wire = exam.on_the_wire(per_tool=True)
+    assert ExamResult.from_hub(wire, "dev").per_tool == exam.per_tool
+    tamper(wire["per_tool"])
+    known = ExamResult.from_hub(wire, "dev")
+    assert known.per_tool == {} and known.marks == exam.marks
+
+
+def test_the_fall_rule_compares_one_measure_on_both_sides():
+    """F1 where both exams counted what was answered, agreement where either did not: a
+    baseline without answer counts beside a result with them is no fall of 60 points."""
+    mixed = {"open": {"asked": 8, "before": "8/8", "after": "7/8", "answered_after": 20}}
+    rule = FallRule(points=20, min_asked=5, min_turns=1)
+    assert fallen_tools(mixed, rule) == []  # 100 -> 87.5, not 100 -> 50
+    both = {"open": {**mixed["open"], "answered_before": 8}}
+    assert round(fallen_tools(both, rule)[0]["points"]) == -50

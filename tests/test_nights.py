@@ -16,13 +16,12 @@ from gbray.data.turns import tool_of_raw_line
 pytestmark = pytest.mark.slow
 
 
-def without_tool(data, tool, out):
-    """A copy of the corpus whose training turns hold no turn of `tool`; the paper is the same."""
-    out.mkdir(parents=True)
-    shutil.copy(data / "eval.jsonl", out / "eval.jsonl")
-    with open(data / "train.jsonl", "rb") as src, open(out / "train.jsonl", "wb") as dst:
-        dst.writelines(line for line in src if tool_of_raw_line(line) != tool)
-    return out
+def drop_tool(data, tool):
+    """The corpus's training turns, in place, less every turn of `tool`; the paper is the same."""
+    lines = (data / "train.jsonl").read_bytes().splitlines(keepends=True)
+    kept = [line for line in lines if tool_of_raw_line(line) != tool]
+    assert len(kept) < len(lines)
+    (data / "train.jsonl").write_bytes(b"".join(kept))
 
 
 def state(hub):
@@ -50,7 +49,10 @@ def test_a_night_that_loses_a_tool_is_refused_by_the_fallen_tool_rule(
 ):
     from gbray.api import RoundSettings, night
 
-    data, student = learnable
+    learned, student = learnable
+    # A copy: the second night's slice loses a tool. One folder for both nights, so both sit
+    # one paper in one scope (a baseline's key), as two nights from one hub do.
+    data = shutil.copytree(learned, tmp_path / "data")
     hub = HubProcess(tmp_path / "hub", "--auto-promote").start()
     try:
         first = night(
@@ -68,14 +70,21 @@ def test_a_night_that_loses_a_tool_is_refused_by_the_fallen_tool_rule(
         rows = first.record["result"]["per_tool"]
         lost = max(rows, key=lambda t: (rows[t]["right"], t))
         assert rows[lost]["right"] >= 8, rows
-        slice_without = without_tool(data, lost, tmp_path / "without")
+        drop_tool(data, lost)
         second = night(
             RoundSettings(
-                data=slice_without, model=str(student), out=tmp_path / "n2", hub=hub.url,
+                data=data, model=str(student), out=tmp_path / "n2", hub=hub.url,
                 token=hub.device, adapter="hub:serving", recipe=night_recipe(6, lr=4e-3, epochs=3),
             )
         )  # fmt: skip
         assert second.status == "done" and second.start == f"hub:{first.hub_round}"
+        # A score belongs to the adapter: the first night's result, told to the hub with its
+        # per-tool counts, is the second's baseline, not examined again, and the rule below
+        # judges the fall from it.
+        assert second.record["baseline"]["source"] == "hub", second.record["baseline"]
+        told, measured = second.record["baseline"], first.record["result"]
+        assert (told["marks"], told["per_tool"]) == (measured["marks"], measured["per_tool"])
+        assert len(second.record["exam_pids"]) == 1
         seen = state(hub)
         decision = next(d for d in seen["decisions"] if d["round"] == second.hub_round)
         after = second.record["result"]["per_tool"].get(lost)
