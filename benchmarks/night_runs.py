@@ -37,8 +37,9 @@ def prepare(work: Path, turns: int, page_tokens: int, **synth) -> tuple[Path, Pa
 
 
 def prepare_learnable(work: Path, **synth) -> tuple[Path, Path]:
-    """The tests' learnable corpus (14 tools, 180-token pages; `synth` may change its wording)
-    and its tiny student pre-trained 420 steps, built once under `work`."""
+    """A learnable corpus (14 tools, 180-token pages; `synth` may change its wording; the tests
+    used it until they took the demo's) and its tiny student pre-trained 420 steps, built once
+    under `work`."""
     data, student = work / "data", work / "student"
     if not (student / "config.json").is_file():
         write_corpus(

@@ -9,7 +9,7 @@ agreement, and how often each share averaged.
     python benchmarks/shares_average.py --every 0 0.25 0.05
 
 The corpus and the student (14 tools, 180-token pages, pre-trained a fixed 420 steps: the test
-suite's `learnable` student on the other wording) are built once under --work.
+suite's `learnable` student of its time, on the other wording) are built once under --work.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ the shares syncing every 6 s (`--sync-minutes`). The baseline, in the same run: 
 machines training apart (no syncs; `cat` joins them at the end, weighted by their turns, so the
 merge is about the fast share's adapter).
 
-The tests' learnable corpus (14 tools, 180-token pages) and student (pre-trained 420 steps), a
+A learnable corpus (14 tools, 180-token pages) and student (pre-trained 420 steps), a
 150-turn paper. Prints JSON: each night's merge and each share's own adapter on the paper, the
 turn-passes, the slow share's syncs (staleness, freshness, weight), per variant the mean over
 the seeds, and each variant's merge over the apart nights'. `--variants ... pooled` adds
