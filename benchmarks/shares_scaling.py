@@ -31,9 +31,9 @@ flag: shares of equal speed step together, every step's gradients summed between
 `outer_lr:outer_momentum` (apart, the averager's outer optimizer, syncing every
 `--sync-minutes`; `2:0 --sync-minutes 0.001` adds every share's step whole after each step),
 `pool` (apart, `--pool-gradients`: the average every `--sync-minutes`, and at every step each
-share steps on its own and the other's newest gradients), `together[:F]` (stepping together,
-syncing every `--sync-minutes`, `--pool-wait F`, default 1) or `end` (no syncs: `cat` at the end,
-the exact average of the shares' updates). `--lockstep` adds the bound: N machines in lockstep.
+share steps on its own and the other's newest gradients), `together` (stepping together,
+the group's post every `--sync-minutes`) or `end` (no syncs: `cat` at the end, the exact average
+of the shares' updates). `--lockstep` adds the bound: N machines in lockstep.
 
 `--bound steps` ends every night by its data instead of its time: one trainer at H trains a
 slice of `--turns-at-h` turns (1,320: what one does in 3 minutes on 150-token pages on 2 cores
@@ -145,9 +145,8 @@ def shares_night(data, student, out: Path, minutes: float, seed: int, paper: int
     elif variant == "pool":
         join = ["--share-average-minutes", str(sync_minutes), "--no-step-together",
                 "--pool-gradients"]  # fmt: skip
-    elif variant.startswith("together"):
-        wait = variant.partition(":")[2] or "1"
-        join = ["--share-average-minutes", str(sync_minutes), "--pool-wait", wait]
+    elif variant == "together":
+        join = ["--share-average-minutes", str(sync_minutes)]
     else:
         lr, momentum = variant.split(":")
         join = ["--share-average-minutes", str(sync_minutes), "--no-step-together", "--outer-lr",
@@ -179,7 +178,7 @@ def shares_night(data, student, out: Path, minutes: float, seed: int, paper: int
         "syncs": len(merge.get("syncs", [])),
         "every_turns": merge.get("every_turns"),
         "pooled_turns": [(r["training"] or {}).get("pooled_turns") for r in reports],
-        "waited_seconds": [m.get("waited_seconds") for m in merge.get("members", [])],
+        "grouped_syncs": sum(1 for s in merge.get("syncs", []) if s.get("grouped")),
         "grouped": [m.get("grouped") for m in merge.get("members", [])],
         "group_left": [m.get("group_left_why") for m in merge.get("members", [])],
     }
@@ -198,8 +197,8 @@ def main() -> None:
                     "together), apart (--no-step-together: each steps alone, syncing), "
                     "outer_lr:outer_momentum every --sync-minutes (apart), pool (apart, the "
                     "average every --sync-minutes and every step's gradients pooled), "
-                    "together[:F] (stepping together, syncing every --sync-minutes, "
-                    "--pool-wait F, default 1), or end (cat at the end)")  # fmt: skip
+                    "together (stepping together, the group's post every --sync-minutes), "
+                    "or end (cat at the end)")  # fmt: skip
     ap.add_argument("--sync-minutes", type=float, default=0.15,
                     help="the fastest share's time between syncs")  # fmt: skip
     ap.add_argument("--lockstep", nargs="*", choices=["sqrt", "linear"], default=[],

@@ -128,6 +128,7 @@ class AveragerLink:
         self.every_turns = float("inf")
         self.pools = False
         self.together = None
+        self.posted = 0  # the group's last post that counted this share's turns
 
     def join(self, weights: dict) -> dict:
         from gbray.peers import Together
@@ -149,11 +150,20 @@ class AveragerLink:
             ray.get(self.averager.leave_group.remote(self.index, why))
 
     def due(self, turns_since: int) -> bool:
+        if self.together.stepping:
+            return self.together.post_due(self.every_turns)
         return turns_since >= self.every_turns
 
     def exchange(self, weights: dict, turns: int) -> dict:
+        """A sync. Stepping together, the group syncs as one (`Averager.post_group`): one member
+        hands in the weights they all hold, and nobody waits or takes anything back."""
         try:
-            return ray.get(self.averager.exchange.remote(self.index, weights, turns))
+            if self.together.stepping:
+                each, self.posted, posts = self.together.take_post()
+                if posts:
+                    ray.get(self.averager.post_group.remote(self.index, weights, each, self.posted))
+                return weights
+            return ray.get(self.averager.exchange.remote(self.index, weights, turns, self.posted))
         except ray.exceptions.RayError as e:  # the driver's machine gone: train on alone
             logging.getLogger(__name__).warning("no averaging: %s", str(e).splitlines()[0])
             self.every_turns, self.pools = float("inf"), False
@@ -176,17 +186,17 @@ class AveragerLink:
             self.together.close()
         # Waited on: the driver reads the global once every share's train call has returned.
         with contextlib.suppress(ray.exceptions.RayError):
-            ray.get(self.averager.leave.remote(self.index, weights, turns))
+            ray.get(self.averager.leave.remote(self.index, weights, turns, self.posted))
 
 
 @ray.remote(num_cpus=0, max_concurrency=64)
 class AveragerActor:
     def __init__(
-        self, outer_lr: float, outer_momentum: float, pools: bool = False, wait: float = 0.0
+        self, outer_lr: float, outer_momentum: float, pools: bool = False, together: bool = False
     ):
         from gbray.averaging import Averager
 
-        self.averager = Averager(outer_lr, outer_momentum, wait=wait)
+        self.averager = Averager(outer_lr, outer_momentum, together=together)
         self.every = float("inf")
         self.pools = pools
 
@@ -197,9 +207,9 @@ class AveragerActor:
     def plan(self, index: int) -> tuple[float, bool, tuple[int, int] | None]:
         """For a share: turns between syncs, whether it pools its steps' gradients through the
         averager, and its place in the group stepping together (rank, size), if it is in it. A
-        share outside the group when shares step together neither pools nor waits."""
+        share outside the group when shares step together does not pool."""
         place = self.averager.place(index)
-        return self.every, self.pools and self.averager.wait == 0, place
+        return self.every, self.pools and not self.averager.together, place
 
     def post_meeting(self, address: tuple[str, int]) -> None:
         self.averager.post_meeting(address)
@@ -213,14 +223,17 @@ class AveragerActor:
     def join(self, index: int, weights: dict) -> dict:
         return self.averager.join(index, weights)
 
-    def exchange(self, index: int, weights: dict, turns: int) -> dict:
-        return self.averager.exchange(index, weights, turns)
+    def exchange(self, index: int, weights: dict, turns: int, posted: int = 0) -> dict:
+        return self.averager.exchange(index, weights, turns, posted)
+
+    def post_group(self, index: int, weights: dict, turns: list[int], number: int) -> None:
+        self.averager.post_group(index, weights, turns, number)
 
     def pool(self, index: int, grads: dict, turns: int) -> tuple[dict, int]:
         return self.averager.pool(index, grads, turns)
 
-    def leave(self, index: int, weights: dict | None, turns: int) -> None:
-        self.averager.leave(index, weights, turns)
+    def leave(self, index: int, weights: dict | None, turns: int, posted: int = 0) -> None:
+        self.averager.leave(index, weights, turns, posted)
 
     def drop(self, index: int) -> None:
         self.averager.drop(index)
@@ -232,7 +245,7 @@ class AveragerActor:
         return {
             **save_merged(self.averager, self.every, Path(template), Path(out)),
             "pool_gradients": self.pools,
-            "pool_wait": self.averager.wait,
+            "step_together": self.averager.together,
         }
 
 

@@ -24,15 +24,18 @@ gradient and takes back the mean of it and every other share's newest gradient i
 Adam's rule for a larger batch. Nobody waits: a share whose partner has not stepped since steps on
 its own turns. The positions are still averaged every few turns as above.
 
-Stepping together (the default; `--pool-wait F`) makes the shares of about the fastest's measured
-speed (PEER_SPEED) two machines in lockstep: they form a group that sums every step's gradients in
-one all-reduce between their processes (`gbray.peers`; the averager tells them where to meet), and
-at each sync a member waits for its partners' movements, at most F times its time between syncs, so
-all are handed one global. Started from one global and handed the same pooled gradient at every
-step, their weights and Adam moments stay alike, so each step is one step on all their turns at the
-current weights (benchmarks/stale_gradients.py: a gradient one step stale is worth about half). A
-share not in the group (slower, or a joiner, whose speed is not measured) neither pools nor waits:
-it syncs as above.
+Stepping together (the default) makes the shares of about the fastest's measured speed
+(PEER_SPEED) two machines in lockstep: they form a group that sums every step's gradients in one
+all-reduce between their processes (`gbray.peers`; the averager tells them where to meet).
+Started from one global and handed the same pooled gradient at every step, their weights and Adam
+moments stay alike, so each step is one step on all their turns at the current weights
+(benchmarks/stale_gradients.py: a gradient one step stale is worth about half). So the group syncs
+as one (`post_group`): at the same step in every member, one member hands in the weights they all
+hold, with each member's turns (read from the all-reduce), and nobody waits for a partner's
+movement or takes a global back. A sync through the averager (a Ray call each way, a copy of the
+adapter) cost the group steps on two cores (the README); the post costs one member one call. A
+share not in the group (slower, or a joiner, whose speed is not measured) does not pool: it syncs
+as above.
 
 Outer lr 1 without momentum is the plain average of the shares' movements; outer lr = shares is
 their sum (each share's turns count as if one trainer had trained them in turn). The choice and
@@ -64,7 +67,9 @@ class Sync:
     minute: float
     final: bool = False
     freshness: float = 1.0  # the part of `weight` left after staleness (1: counted whole)
-    waited_seconds: float = 0.0  # stepping together: how long it waited for its partners' syncs
+    # Stepping together: its turns came in the group's post (one member handing in the weights
+    # every member holds), and `weight` is the post's scale times its part of the post's turns.
+    grouped: bool = False
 
 
 @dataclass
@@ -76,9 +81,8 @@ class Membership:
     left_minute: float | None = None
     turns_synced: int = 0
     syncs: int = 0
-    # Stepping together: seconds spent waiting for partners' movements at syncs, whether it
-    # stepped in the group, and when and why its group ended for it (a partner gone or slow).
-    waited_seconds: float = 0.0
+    # Stepping together: whether it stepped in the group, and when and why its group ended for
+    # it (a partner gone or slow).
     grouped: bool = False
     group_left_minute: float | None = None
     group_left_why: str | None = None
@@ -96,8 +100,9 @@ class OuterState:
     turns_in: int = 0  # turns behind every movement applied so far
 
 
-# The weight of the newest time between a member's syncs in its moving average.
-SYNC_TIME_SMOOTHING = 0.2
+# How long a share that leaves, or syncs on its own after its group ended, waits for the group's
+# post that counted its last turns to arrive (the posting member may be a step behind it).
+POST_WAIT_SECONDS = 30.0
 
 
 class Averager:
@@ -108,14 +113,13 @@ class Averager:
         outer_lr: float = 1.0,
         outer_momentum: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
-        wait: float = 0.0,
+        together: bool = False,
     ):
+        """`together`: shares of about the fastest's speed step together (`gbray.peers`)."""
         if not outer_lr > 0 or not 0 <= outer_momentum < 1:
             raise ValueError("outer lr must be > 0 and outer momentum in [0, 1)")
-        if not wait >= 0:
-            raise ValueError("the wait must be >= 0 (a fraction of a share's step)")
         self.outer_lr, self.outer_momentum, self.clock = outer_lr, outer_momentum, clock
-        self.wait = wait
+        self.together = together
         self.began = clock()
         self.state: OuterState | None = None
         # share -> (weights handed, version then, turns the global held then)
@@ -132,16 +136,13 @@ class Averager:
         self.taken: dict[tuple[int, int], int] = {}
         # Stepping together: the group's live members (chosen by the speeds measured before the
         # night; a member whose group ended leaves it), their ranks, who was placed, where they
-        # meet, each member's syncs made, when its last sync returned and its time between syncs
-        # (a moving average: the unit of its bound on waiting for its partners' movements).
+        # meet, and the group's posts of its weights so far.
         self.group: list[int] = []
         self.ranks: dict[int, int] = {}  # the group as it met: share -> its rank
         self.placed: set[int] = set()
         self.meeting: tuple[str, int] | None = None
-        self.rounds: dict[int, int] = {}
-        self.returned: dict[int, float] = {}
-        self.sync_seconds: dict[int, float] = {}
-        self.arrived = threading.Condition(self.lock)
+        self.group_posts = 0  # the group's posts of its weights so far
+        self.posts_in = threading.Condition(self.lock)
 
     def set_speeds(self, speeds: dict[int, float]) -> None:
         """The shares' measured speeds. A movement is scaled by outer_lr over the live shares'
@@ -152,7 +153,7 @@ class Averager:
         with self.lock:
             self.speeds = {i: v / top for i, v in speeds.items()} if top > 0 else {}
             alike = sorted(i for i, v in self.speeds.items() if v >= PEER_SPEED)
-            self.group = alike if self.wait > 0 and len(alike) > 1 else []
+            self.group = alike if self.together and len(alike) > 1 else []
             self.ranks = {share: rank for rank, share in enumerate(self.group)}
 
     def place(self, share: int) -> tuple[int, int] | None:
@@ -164,7 +165,6 @@ class Averager:
                 return None
             if share in self.placed:
                 self.group = [i for i in self.group if i != share]
-                self.arrived.notify_all()
                 return None
             self.placed.add(share)
             return self.ranks[share], len(self.ranks)
@@ -178,14 +178,13 @@ class Averager:
             return self.meeting
 
     def leave_group(self, share: int, why: str) -> None:
-        """A member whose group ended: it syncs on alone, and its partners wait for it no more."""
+        """A member whose group ended: it syncs on alone."""
         with self.lock:
             if share in self.group:
                 self.group = [i for i in self.group if i != share]
                 if share in self.members:
                     self.members[share].group_left_minute = self.minute()
                     self.members[share].group_left_why = why
-            self.arrived.notify_all()
 
     def shares_worth(self) -> float:
         return sum(self.speeds.get(i, 1.0) for i in self.given)
@@ -213,25 +212,61 @@ class Averager:
             self.members.setdefault(share, Membership(share, self.minute()))
             self.members[share].left_minute = None
             self.members[share].grouped |= share in self.group
-            self.rounds[share] = max(
-                (n for i, n in self.rounds.items() if i in self.given), default=0
-            )
-            self.returned[share] = time.monotonic()
             return self._hand(share, like=weights)
 
-    def exchange(self, share: int, weights: dict, turns: int) -> dict:
-        """This share's weights in, its movement applied; the new global out (stepping together:
-        once its partners' movements of the same sync are in too, or the bound has passed)."""
+    def exchange(self, share: int, weights: dict, turns: int, posted: int = 0) -> dict:
+        """This share's weights in, its movement applied; the new global out. `posted`: the
+        group's last post that counted this share's turns (a share whose group has ended)."""
         with self.lock:
-            sync = self._apply(share, weights, turns, final=False)
-            if sync is not None:
-                self.rounds[share] += 1
-                sync.waited_seconds = round(self._wait_for_partners(share), 3)
-            took = time.monotonic() - self.returned.get(share, time.monotonic())
-            last = self.sync_seconds.get(share, took)
-            self.sync_seconds[share] = (1 - SYNC_TIME_SMOOTHING) * last + SYNC_TIME_SMOOTHING * took
-            self.returned[share] = time.monotonic()
+            self._wait_for_post(posted)
+            self._apply(share, weights, turns, final=False)
             return self._hand(share, like=weights)
+
+    def post_group(self, share: int, weights: dict, turns: list[int], number: int) -> None:
+        """The group stepping together syncs as one: its members hold the same weights (one
+        start, the same gradient every step), so one member hands them in, with each member's
+        turns since the last post (by rank), and nobody waits or takes a global back. What the
+        group moved since its last post is applied as one movement, scaled by outer_lr times the
+        group's part of the live shares' speeds: with no other share live the global becomes the
+        group's weights. A share outside the group (a joiner) keeps its own movements in."""
+        with self.lock:
+            if share not in self.given:  # dropped as gone and heard from again
+                self._hand(share, like=self.state.weights)
+                return
+            members = [i for i in self.group if i in self.given and i in self.ranks]
+            total = sum(turns[self.ranks[i]] for i in members)
+            handed, version, _ = self.given[share]
+            state = self.state
+            worth = sum(self.speeds.get(i, 1.0) for i in members)
+            scale = self.outer_lr * worth / max(1.0, self.shares_worth())
+            for k, w in state.weights.items():
+                step = (weights[k].detach().float() - handed[k]) * scale
+                w += step
+                state.pending[k] += step
+            state.turns_in += total
+            staleness = state.version - version
+            state.version += 1
+            state.arrivals += len(members)
+            self._outer_step()
+            mine = {k: v.detach().float().clone() for k, v in weights.items()}
+            for i in members:
+                part = turns[self.ranks[i]]
+                # The members carry on from their own weights, not a global: what each moves
+                # from here is measured from what was handed in.
+                self.given[i] = (mine, state.version, state.turns_in)
+                self.syncs.append(
+                    Sync(i, part, staleness, round(scale * part / max(1, total), 4),
+                         self.minute(), grouped=True)
+                )  # fmt: skip
+                self.members[i].turns_synced += part
+                self.members[i].syncs += 1
+            self.group_posts = max(self.group_posts, number)
+            self.posts_in.notify_all()
+
+    def _wait_for_post(self, posted: int) -> None:
+        """Under the lock: until the group's post `posted` is in (at most POST_WAIT_SECONDS)."""
+        if posted > self.group_posts:
+            self.posts_in.wait_for(lambda: self.group_posts >= posted, timeout=POST_WAIT_SECONDS)
 
     def pool(self, share: int, grads: dict, turns: int) -> tuple[dict, int]:
         """This share's step's gradients in; out, their mean with each other live share's
@@ -251,9 +286,13 @@ class Averager:
                 pooled += t
             return {k: (v / pooled).to(grads[k].dtype) for k, v in total.items()}, pooled
 
-    def leave(self, share: int, weights: dict | None = None, turns: int = 0) -> None:
-        """A share is done: its last movement (if it trained since its last sync) is applied."""
+    def leave(
+        self, share: int, weights: dict | None = None, turns: int = 0, posted: int = 0
+    ) -> None:
+        """A share is done: its last movement (if it trained since its last sync) is applied.
+        `posted`: as in `exchange`."""
         with self.lock:
+            self._wait_for_post(posted)
             if share not in self.given:
                 return
             if weights is not None and turns > 0:
@@ -261,7 +300,6 @@ class Averager:
             del self.given[share]
             self.board.pop(share, None)
             self.members[share].left_minute = self.minute()
-            self.arrived.notify_all()  # partners waiting for it wait no more
 
     def drop(self, share: int) -> None:
         """A share whose machine went away: what it synced stays in the global."""
@@ -269,33 +307,6 @@ class Averager:
             self.board.pop(share, None)
             if self.given.pop(share, None) is not None:
                 self.members[share].left_minute = self.minute()
-            self.arrived.notify_all()
-
-    def partners(self, share: int) -> list[int]:
-        """The live members of this share's group (none if it is not in one)."""
-        if share not in self.group:
-            return []
-        return [i for i in self.group if i != share and i in self.given]
-
-    def _wait_for_partners(self, share: int) -> float:
-        """Under the lock: wait until every partner has synced as often as this share, at most
-        `wait` times this share's time between syncs; returns the seconds waited."""
-        self.arrived.notify_all()
-        if not self.partners(share):
-            return 0.0
-        mine = self.rounds[share]
-        began = time.monotonic()
-        bound = self.wait * self.sync_seconds.get(share, began - self.returned.get(share, began))
-        self.arrived.wait_for(
-            lambda: all(self.rounds.get(i, 0) >= mine for i in self.partners(share)),
-            timeout=bound,
-        )
-        waited = time.monotonic() - began
-        if share in self.members:
-            self.members[share].waited_seconds = round(
-                self.members[share].waited_seconds + waited, 3
-            )
-        return waited
 
     def result(self) -> tuple[dict, list[dict], list[dict]]:
         """The global adapter, every sync and every share's membership."""
@@ -335,20 +346,25 @@ class Averager:
         staleness = state.version - version
         state.arrivals += 1
         state.version += 1
-        if self.outer_momentum > 0 and state.arrivals >= len(self.given):
-            # Nesterov, once per outer step: m <- mu m + g; the global gets mu m on top of g.
-            mu = self.outer_momentum
-            for k, w in state.weights.items():
-                state.momentum[k].mul_(mu).add_(state.pending[k])
-                w += mu * state.momentum[k]
-                state.pending[k].zero_()
-            state.arrivals = 0
+        self._outer_step()
         sync = Sync(share, turns, staleness, round(scale, 4), self.minute(), final, round(fresh, 4))
         self.syncs.append(sync)
         member = self.members[share]
         member.turns_synced += turns
         member.syncs += 1
         return sync
+
+    def _outer_step(self) -> None:
+        """Nesterov, once per outer step (as many arrivals as live shares): m <- mu m + g; the
+        global gets mu m on top of g."""
+        state = self.state
+        if self.outer_momentum > 0 and state.arrivals >= len(self.given):
+            mu = self.outer_momentum
+            for k, w in state.weights.items():
+                state.momentum[k].mul_(mu).add_(state.pending[k])
+                w += mu * state.momentum[k]
+                state.pending[k].zero_()
+            state.arrivals = 0
 
 
 class LocalLink:
@@ -361,6 +377,7 @@ class LocalLink:
         self.averager, self.index, self.every_turns = averager, index, every_turns
         self.pools = pools
         self.together = None
+        self.posted = 0  # the group's last post that counted this share's turns
 
     def join(self, weights: dict) -> dict:
         self.together = Together(
@@ -370,14 +387,21 @@ class LocalLink:
             self.averager.meeting_point,
             on_left=lambda why: self.averager.leave_group(self.index, why),
         )
-        self.pools = (self.pools and self.averager.wait == 0) or self.together.stepping
+        self.pools = (self.pools and not self.averager.together) or self.together.stepping
         return self.averager.join(self.index, weights)
 
     def due(self, turns_since: int) -> bool:
+        if self.together.stepping:
+            return self.together.post_due(self.every_turns)
         return turns_since >= self.every_turns
 
     def exchange(self, weights: dict, turns: int) -> dict:
-        return self.averager.exchange(self.index, weights, turns)
+        if self.together.stepping:
+            each, self.posted, posts = self.together.take_post()
+            if posts:
+                self.averager.post_group(self.index, weights, each, self.posted)
+            return weights
+        return self.averager.exchange(self.index, weights, turns, self.posted)
 
     def pool(self, grads: dict, turns: int) -> tuple[dict, int]:
         if self.together.stepping:
@@ -387,7 +411,7 @@ class LocalLink:
     def leave(self, weights: dict | None, turns: int) -> None:
         if self.together is not None:
             self.together.close()
-        self.averager.leave(self.index, weights, turns)
+        self.averager.leave(self.index, weights, turns, self.posted)
 
 
 def save_global(weights: dict, template: Path, out: Path) -> None:

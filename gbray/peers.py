@@ -81,6 +81,10 @@ class StepGroup:
         self.group = dist.ProcessGroupGloo(self.store, rank, world, options)
         # Each member's last steps' times (its own work between all-reduces), alike in every member.
         self.recent: list[list[float]] = [[] for _ in range(world)]
+        # Each member's turns since the group last posted its weights to the averager, alike in
+        # every member (read from the same all-reduce), and the posts so far.
+        self.unposted = [0] * world
+        self.posts = 0
         self.returned = time.monotonic()
         self.steps = 0
         self.over = False
@@ -94,9 +98,11 @@ class StepGroup:
         names = sorted(grads)
         times = torch.zeros(self.world, dtype=torch.float64)
         times[self.rank] = took
+        each = torch.zeros(self.world, dtype=torch.float64)
+        each[self.rank] = turns
         flat = torch.cat(
             [grads[n].detach().reshape(-1).to(torch.float64) * turns for n in names]
-            + [torch.tensor([float(turns)], dtype=torch.float64), times]
+            + [each, torch.tensor([float(turns)], dtype=torch.float64), times]
         )
         try:
             self.group.allreduce([flat]).wait()
@@ -106,6 +112,8 @@ class StepGroup:
         self.returned = time.monotonic()
         self.steps += 1
         total = int(round(flat[-self.world - 1].item()))
+        tail = flat[-2 * self.world - 1 : -self.world - 1].tolist()
+        self.unposted = [n + int(round(t)) for n, t in zip(self.unposted, tail, strict=True)]
         if self.steps > SETTLING_STEPS:
             for mine, took_then in zip(self.recent, flat[-self.world :].tolist(), strict=True):
                 mine[:] = [*mine[-(SLOW_WINDOW - 1) :], took_then]
@@ -119,6 +127,13 @@ class StepGroup:
             # Every member read the same times, so every member ends the group at this step.
             self.close()
         return pooled, total
+
+    def take_unposted(self) -> tuple[list[int], int]:
+        """Each member's turns since the last post, and this post's number (the same in every
+        member at the same step); the count starts again."""
+        turns, self.unposted = self.unposted, [0] * self.world
+        self.posts += 1
+        return turns, self.posts
 
     def slow_member(self) -> int | None:
         """A member whose steps take longer than the fastest's over `peer_speed`, once a whole
@@ -187,6 +202,17 @@ class Together:
         if self.group.over:  # every member read one member's steps as slow
             self._end("a member's steps proved slow")
         return pooled
+
+    def post_due(self, every_turns: float) -> bool:
+        """The group syncs as one, at the same step in every member: when the first member's
+        turns since the group's last post reach `every_turns` (all read the same count)."""
+        return self.group.unposted[0] >= every_turns
+
+    def take_post(self) -> tuple[list[int], int, bool]:
+        """Each member's turns since the group's last post, this post's number, and whether
+        this member is the one that hands the group's weights in (rank 0)."""
+        turns, number = self.group.take_unposted()
+        return turns, number, self.group.rank == 0
 
     def close(self) -> None:
         if self.group is not None:

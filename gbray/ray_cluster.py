@@ -417,7 +417,7 @@ def _start_averager(ray, night: ShareNight):
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     return AveragerActor.options(scheduling_strategy=here).remote(
-        night.outer_lr, night.outer_momentum, night.pool_gradients, night.pool_wait
+        night.outer_lr, night.outer_momentum, night.pool_gradients, night.step_together
     )
 
 

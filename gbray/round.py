@@ -414,7 +414,7 @@ class Round:
             outer_lr=s.outer_lr,
             outer_momentum=s.outer_momentum,
             pool_gradients=s.pool_gradients,
-            pool_wait=s.together_wait,
+            step_together=s.step_together,
             joins=s.share_joins,
             options=list(s.share_options),
         )
@@ -455,7 +455,7 @@ class Round:
                 f"merged {len(survivors)} shares: the averager's global adapter after "
                 f"{len(m['syncs'])} syncs (outer lr {m['outer_lr']}, momentum {m['outer_momentum']}"
                 f"{'; every step its gradients pooled' if m.get('pool_gradients') else ''}"
-                f"{'; equal shares stepping together' if m.get('pool_wait') else ''})"
+                f"{'; equal shares stepping together' if m.get('step_together') else ''})"
                 f"{stale_syncs(m['syncs'])}"
             )
             self.record.merge, self.record.adapter = {"method": "outer", **m}, m["folder"]

@@ -344,11 +344,6 @@ class RoundSettings:
         "and the other shares' newest (not yet taken) at sqrt(turns pooled / its own) times "
         "the rate; nobody waits (needs averaging)",
     )
-    pool_wait: float = setting(
-        1.0,
-        "stepping together: at each sync a member waits for its partners' movements at most "
-        "this many times its time between syncs, so all are handed one global (> 0)",
-    )
     share_joins: bool = setting(
         False,
         "keep a part of the slice back (one share's worth) for a machine that joins the cluster "
@@ -381,11 +376,6 @@ class RoundSettings:
     def fall_rule(self) -> FallRule:
         return FallRule(self.fall_points, self.fall_min_asked, self.fall_min_turns)
 
-    @property
-    def together_wait(self) -> float:
-        """The night's averager's wait bound for a group stepping together (0: no group)."""
-        return self.pool_wait if self.step_together else 0.0
-
     def validate(self) -> None:
         self.recipe.validate()
         problems = []
@@ -417,8 +407,6 @@ class RoundSettings:
             problems.append("--outer-lr must be > 0 and --outer-momentum in [0, 1)")
         if self.pool_gradients and self.share_average_minutes == 0:
             problems.append("--pool-gradients needs averaging (--share-average-minutes > 0)")
-        if not self.pool_wait > 0:
-            problems.append("--pool-wait must be > 0")
         if self.pool_gradients and self.step_together:
             problems.append(
                 "--pool-gradients pools without stepping together: add --no-step-together"

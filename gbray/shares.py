@@ -92,7 +92,7 @@ class ShareNight:
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
     pool_gradients: bool = False  # shares take in each other's step gradients (gbray.averaging)
-    pool_wait: float = 0.0  # > 0: shares of equal speed step together (gbray.peers)
+    step_together: bool = False  # shares of equal speed step together (gbray.peers)
     joins: bool = False  # keep a part of the slice back for a machine that joins
     options: list[dict] = field(default_factory=list)  # per share: extra actor options (tests)
 

@@ -369,7 +369,10 @@ class Trainer:
         on from the global it gets back (`gbray.averaging`). Optimizer moments stay local."""
         turns = state.turn_passes - self.synced_at
         began = self.clock()
-        self.set_adapter_weights(self.sync.exchange(self.adapter_weights(), turns))
+        mine = self.adapter_weights()
+        handed = self.sync.exchange(mine, turns)
+        if handed is not mine:  # a share stepping together in a group keeps its own
+            self.set_adapter_weights(handed)
         self.sync_seconds += self.clock() - began
         self.synced_at = state.turn_passes
         self.averaged += 1

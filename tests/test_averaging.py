@@ -266,7 +266,7 @@ def test_two_trainers_stepping_together_take_every_step_on_both_shares_turns(
     """Stepping together, each of their steps is taken on both shares' turns (what one machine
     with both batches would step on), so each takes in the other's turns whole and both end on
     nearly the same adapter."""
-    averager = Averager(wait=1.0)
+    averager = Averager(together=True)
     averager.set_speeds({0: 1.0, 1: 1.0})
     trainers, done = pooling_night(raw_student, corpus, tmp_path, averager)
     members = {m["share"]: m for m in averager.result()[2]}
@@ -276,6 +276,10 @@ def test_two_trainers_stepping_together_take_every_step_on_both_shares_turns(
         # Every step of the other's but those after this one had left.
         assert mine.pooled_turns >= other.turn_passes - 2 * 8, (mine, other)
         assert members[i]["grouped"], members
+        # The group synced as one (one member handing in the weights both hold), and every
+        # turn each trained is counted once: in the group's posts, then in its last movement.
+        assert members[i]["turns_synced"] == mine.turn_passes, (members, mine)
+    assert any(s["grouped"] for s in averager.result()[1])
     # LoRA's B starts at zero, so its size is how far the shares moved; they moved alike. Not
     # exactly: the member whose time runs out second may take its last step alone, on its own
     # turns, after its partner has left (CI once: a gap of 1.2% of the movement in a night of

@@ -32,9 +32,9 @@ def a_group(averager: Averager, shares=(0, 1)) -> dict[int, StepGroup]:
     return made
 
 
-def a_night_of_two(wait: float) -> tuple[Averager, dict[int, StepGroup]]:
+def a_night_of_two() -> tuple[Averager, dict[int, StepGroup]]:
     """Two shares of one speed: their averager, both joined, and their group."""
-    averager = Averager(wait=wait)
+    averager = Averager(together=True)
     averager.set_speeds({0: 1.0, 1: 1.0})
     group = a_group(averager)
     for share in (0, 1):
@@ -43,28 +43,22 @@ def a_night_of_two(wait: float) -> tuple[Averager, dict[int, StepGroup]]:
 
 
 def test_shares_of_alike_speed_form_the_group_and_a_slow_one_stays_out_of_it():
-    averager = Averager(wait=1.0)
+    averager = Averager(together=True)
     averager.set_speeds({0: 3.0, 1: 1.0, 2: 2.9})
     assert averager.place(0) == (0, 2) and averager.place(2) == (1, 2)
     assert averager.place(1) is None
-    for share in (0, 1, 2):
-        averager.join(share, weights(0.0))
-    # Nobody waits for the slow share at a sync, and it waits for nobody.
-    began = time.monotonic()
-    averager.exchange(1, weights(1.0), 8)
-    assert time.monotonic() - began < 0.1 and averager.partners(1) == []
-    assert averager.partners(0) == [2]
+    assert averager.group == [0, 2]
     # A share placed again was started again (its process lost): its group has gone on without
-    # it, so it steps outside the group and nobody waits for it.
-    assert averager.place(2) is None and averager.partners(0) == []
-    # With no wait bound (--no-step-together) there is no group.
+    # it, so it steps outside the group.
+    assert averager.place(2) is None and averager.group == [0]
+    # --no-step-together: no group.
     apart = Averager()
     apart.set_speeds({0: 1.0, 1: 1.0})
     assert apart.place(0) is None and apart.place(1) is None
 
 
-def test_a_group_steps_on_the_turn_weighted_mean_and_is_handed_one_global():
-    averager, group = a_night_of_two(wait=2.0)
+def test_a_group_steps_on_the_turn_weighted_mean():
+    averager, group = a_night_of_two()
     first, got = in_thread(group[0].pool, weights(1.0), 8)
     time.sleep(0.05)  # the partner is a little late: the first waits for its step
     theirs, turns = group[1].pool(weights(3.0), 4)
@@ -73,21 +67,58 @@ def test_a_group_steps_on_the_turn_weighted_mean_and_is_handed_one_global():
     assert turns == 12 and got["value"][1] == 12
     assert torch.equal(theirs["a"], got["value"][0]["a"])
     assert torch.allclose(theirs["a"], torch.full((2, 3), 20 / 12))
-    # A sync: the first to arrive waits for its partner's movement, so both get the same global
-    # (both movements applied), not the first a global with only its own half in it.
-    first, got = in_thread(averager.exchange, 0, weights(1.0), 16)
-    time.sleep(0.1)
-    handed = averager.exchange(1, weights(1.0), 16)
-    first.join()
-    assert torch.allclose(got["value"]["a"], weights(1.0)["a"])
-    assert torch.equal(handed["a"], got["value"]["a"])
-    _, syncs, members = averager.result()
-    assert syncs[0]["waited_seconds"] >= 0.05 and syncs[1]["waited_seconds"] < 0.05
+    members = averager.result()[2]
     assert all(m["grouped"] and m["group_left_minute"] is None for m in members), members
 
 
-def test_a_partner_that_leaves_ends_the_group_at_once_and_the_wait_for_it():
-    averager, group = a_night_of_two(wait=50.0)
+def test_a_group_syncs_as_one_post_of_the_weights_its_members_hold():
+    """Stepping together, a sync is one member handing in the group's weights with each member's
+    turns (read from the all-reduce): nobody waits or takes a global back, the global becomes the
+    group's weights, and a joiner outside the group keeps its own movement in it."""
+    averager, group = a_night_of_two()
+    for mine, theirs in ((8, 4), (8, 8)):
+        first, _ = in_thread(group[0].pool, weights(1.0), mine)
+        group[1].pool(weights(1.0), theirs)
+        first.join()
+    # Every member reads the same turns and the same post number at the same step.
+    assert group[0].unposted == group[1].unposted == [16, 12]
+    posts = [Together(None, "", None, None, print) for _ in (0, 1)]
+    for share in (0, 1):
+        posts[share].group = group[share]
+    assert posts[0].post_due(16) and posts[1].post_due(16) and not posts[1].post_due(17)
+    (each, number, poster), (each1, number1, poster1) = posts[0].take_post(), posts[1].take_post()
+    assert each == each1 == [16, 12] and number == number1 == 1 and poster and not poster1
+    # A partner done before the post arrived waits for it (its turns are counted there), not
+    # for anything else: its own leave then adds only what it moved after the post.
+    leaving, _ = in_thread(averager.leave, 1, weights(3.0), 8, number)
+    time.sleep(0.2)
+    assert leaving.is_alive()
+    began = time.monotonic()
+    averager.post_group(0, weights(2.0), each, number)
+    leaving.join(timeout=5)
+    assert not leaving.is_alive() and time.monotonic() - began < 1
+    state, syncs, members = averager.result()
+    posted = [s for s in syncs if s["grouped"]]
+    assert [(s["share"], s["turns"], s["weight"]) for s in posted] == [
+        (0, 16, round(16 / 28, 4)), (1, 12, round(12 / 28, 4))
+    ]  # fmt: skip
+    by_share = {m["share"]: m for m in members}
+    assert by_share[0]["turns_synced"] == 16 and by_share[1]["turns_synced"] == 12 + 8
+    # The global was the group's weights (2.0), then share 1's movement after the post (3.0 -
+    # 2.0) counted at half, as any share's last movement among two live shares.
+    assert torch.allclose(state["a"], torch.full((2, 3), 2.5))
+    # A joiner outside the group starts from the global; the group's next post adds what the
+    # group moved since its last one (not its position), at the group's part of the speeds, so
+    # the joiner's movement stays in.
+    averager.join(2, weights(0.0))
+    averager.exchange(2, weights(3.5), 8)  # the joiner moved +1.0, counted at 1/2 (two live)
+    assert torch.allclose(averager.result()[0]["a"], torch.full((2, 3), 3.0))
+    averager.post_group(0, weights(4.0), [8, 0], 2)  # the group moved +2.0 since its post
+    assert torch.allclose(averager.result()[0]["a"], torch.full((2, 3), 4.0))
+
+
+def test_a_partner_that_leaves_ends_the_group_at_once():
+    averager, group = a_night_of_two()
     left = []
     together = Together(None, "", None, None, left.append, PEER_SPEED)
     together.group = group[0]
@@ -99,14 +130,6 @@ def test_a_partner_that_leaves_ends_the_group_at_once_and_the_wait_for_it():
     assert not waiting.is_alive() and time.monotonic() - began < 2
     assert got["value"][1] == 8 and torch.equal(got["value"][0]["a"], weights(1.0)["a"])
     assert not together.stepping and len(left) == 1 and "gone" in left[0], left
-    # At a sync, a partner that left the night is waited for no more.
-    time.sleep(0.1)
-    waiting, got = in_thread(averager.exchange, 0, weights(1.0), 8)
-    time.sleep(0.2)
-    began = time.monotonic()
-    averager.leave(1)
-    waiting.join(timeout=3)
-    assert not waiting.is_alive() and time.monotonic() - began < 1
 
 
 def stepping(group: dict[int, StepGroup], pauses: dict[int, list[float]]) -> None:
@@ -128,7 +151,7 @@ def stepping(group: dict[int, StepGroup], pauses: dict[int, list[float]]) -> Non
 
 
 def test_a_member_whose_steps_prove_slow_ends_the_group_for_every_member():
-    averager = Averager(wait=1.0)
+    averager = Averager(together=True)
     averager.set_speeds({0: 1.0, 1: 1.0})
     # One long step (a validation, a save) is not a slow pace.
     steps = SETTLING_STEPS + 2 * SLOW_WINDOW
@@ -137,7 +160,7 @@ def test_a_member_whose_steps_prove_slow_ends_the_group_for_every_member():
     stepping(group, {0: pause, 1: pause[:10] + [0.3] + pause[11:]})
     assert not group[0].over and not group[1].over and group[0].steps == steps
     # A slow pace is: both read the same times and end at the same step, once a window is timed.
-    averager = Averager(wait=1.0)
+    averager = Averager(together=True)
     averager.set_speeds({0: 1.0, 1: 1.0})
     group = a_group(averager)
     stepping(group, {0: [0.01] * steps, 1: [0.1] * steps})
@@ -178,7 +201,7 @@ def test_two_share_actors_step_together_through_their_own_all_reduce(ray2):
             self.link.leave(full(1.0), turns * steps)
             return pooled
 
-    averager = AveragerActor.remote(1.0, 0.0, True, 1.0)
+    averager = AveragerActor.remote(1.0, 0.0, True, True)
     ray2.get(averager.set_every_turns.remote(8, {0: 1.0, 1: 1.0}))
     shares = [Share.remote(averager, 0), Share.remote(averager, 1)]
     first, second = ray2.get([shares[0].night.remote(1.0, 8, 3), shares[1].night.remote(3.0, 4, 2)])
@@ -190,8 +213,9 @@ def test_two_share_actors_step_together_through_their_own_all_reduce(ray2):
 
 
 def test_a_share_that_loses_the_averager_ends_its_group_so_its_partner_steps_on_at_once(ray2):
-    """A share whose sync finds the averager gone (the driver's machine lost) trains on alone
-    and closes its group: its partner's next all-reduce fails at once, not after its timeout."""
+    """The member that posts the group's syncs (rank 0), finding the averager gone (the
+    driver's machine lost), trains on alone and closes its group: its partner's next all-reduce
+    fails at once, not after its timeout."""
     from gbray.actors import AveragerActor, AveragerLink
 
     @ray2.remote(num_cpus=1)
@@ -219,10 +243,10 @@ def test_a_share_that_loses_the_averager_ends_its_group_so_its_partner_steps_on_
                 took.append((total, time.monotonic() - began))
             return took
 
-    averager = AveragerActor.remote(1.0, 0.0, True, 1.0)
+    averager = AveragerActor.remote(1.0, 0.0, True, True)
     ray2.get(averager.set_every_turns.remote(8, {0: 1.0, 1: 1.0}))
     shares = [Share.remote(averager, 0), Share.remote(averager, 1)]
-    steady, lost = ray2.get([shares[0].night.remote(3, None), shares[1].night.remote(3, 1)])
+    lost, steady = ray2.get([shares[0].night.remote(3, 1), shares[1].night.remote(3, None)])
     # Its own weights back and no more pooling, where the averager was gone.
     assert lost[1] == ("synced alone", 2.0, False), lost
     assert [total for total, _ in steady] == [16, 8, 8], steady

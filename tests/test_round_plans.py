@@ -60,22 +60,22 @@ def test_pooled_gradients_need_shares_that_sync():
         RoundSettings(**apart, pool_gradients=True, share_average_minutes=0).validate()
     with pytest.raises(ValueError, match="add --no-step-together"):
         RoundSettings(data=Path("d"), shares=2, pool_gradients=True).validate()
-    RoundSettings(data=Path("d"), shares=2, pool_wait=2.0).validate()
-    with pytest.raises(ValueError, match="--pool-wait must be > 0"):
-        RoundSettings(data=Path("d"), shares=2, pool_wait=0).validate()
 
 
 def test_shares_step_together_by_default_and_only_where_they_average():
-    """Stepping together is the shares' default (the night's averager is given its wait bound,
-    which forms the group); off, the bound is 0 and no group forms."""
+    """Stepping together is the shares' default; off, the night's averager forms no group."""
+    from gbray.averaging import Averager
     from gbray.settings import RoundSettings
 
     s = RoundSettings(data=Path("d"), shares=2)
     s.validate()
-    assert s.step_together and s.together_wait == 1.0
     apart = RoundSettings(data=Path("d"), shares=2, step_together=False)
     apart.validate()
-    assert apart.together_wait == 0.0
+    assert s.step_together and not apart.step_together
+    for settings, group in ((s, [0, 1]), (apart, [])):
+        averager = Averager(together=settings.step_together)
+        averager.set_speeds({0: 1.0, 1: 0.9})
+        assert averager.group == group
 
 
 def test_an_unfinished_rounds_files_are_kept_aside_without_overwriting_another(tmp_path):
