@@ -20,8 +20,8 @@ delayed Nesterov of Async Local-SGD), so a fast share does not build momentum on
 With pooled gradients (`--no-step-together --pool-gradients`) the shares also come closer to one
 trainer taking steps on all their turns at once: at every step a share hands the averager its step's
 gradient and takes back the mean of it and every other share's newest gradient it has not taken yet
-(weighted by turns), and its own Adam steps on that at sqrt(turns pooled / its own) times the rate,
-Adam's rule for a larger batch. Nobody waits: a share whose partner has not stepped since steps on
+(weighted by turns), and its own Adam steps on that at sqrt(turns pooled / a whole step's) times
+the rate (at least once), Adam's rule for a larger batch. Nobody waits: a share whose partner has not stepped since steps on
 its own turns. The positions are still averaged every few turns as above.
 
 Stepping together (the default) makes the shares of about the fastest's measured speed

@@ -341,8 +341,8 @@ class RoundSettings:
     pool_gradients: bool = setting(
         False,
         "with --no-step-together: shares pool every step's gradients, each stepping on its own "
-        "and the other shares' newest (not yet taken) at sqrt(turns pooled / its own) times "
-        "the rate; nobody waits (needs averaging)",
+        "and the other shares' newest (not yet taken) at sqrt(turns pooled / a whole "
+        "step's) times the rate; nobody waits (needs averaging)",
     )
     share_joins: bool = setting(
         False,

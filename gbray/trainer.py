@@ -340,7 +340,9 @@ class Trainer:
 
     def pool_gradients(self, turns: int) -> float:
         """This step's gradients pooled with the other shares' newest (gbray.averaging); returns
-        the factor on the rate, sqrt(turns pooled / this step's)."""
+        the factor on the rate, sqrt(turns pooled / a whole step's), at least 1. A whole step's,
+        not this one's: members stepping together whose steps differ (one ends its part of the
+        slice mid-step) step at one rate on one gradient, and so keep one adapter."""
         began = self.clock()
         params = {
             n: p for n, p in self.model.named_parameters() if p.requires_grad and p.grad is not None
@@ -352,7 +354,7 @@ class Trainer:
             p.grad.copy_(pooled[n])
         self.sync_seconds += self.clock() - began
         self.pooled_turns += total - turns
-        return math.sqrt(total / turns)
+        return max(1.0, math.sqrt(total / (self.recipe.batch * self.recipe.accum)))
 
     def adapter_weights(self) -> dict:
         from peft import get_peft_model_state_dict

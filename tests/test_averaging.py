@@ -1,9 +1,11 @@
 """Shares averaging while they train (local SGD): the averager's arithmetic and freshness, and a
 trainer that carries on from the average it is handed. No Ray: the actor is a shell over these."""
 
+import math
 import threading
 import time
 
+import pytest
 import torch
 from peft import get_peft_model_state_dict
 from test_trainer import recipe
@@ -207,6 +209,28 @@ def test_pooled_gradients_are_the_turn_weighted_mean_of_each_share_s_newest_step
     averager.pool(2, weights(5.0), 8)
     averager.leave(2)
     assert averager.pool(0, weights(1.0), 8)[1] == 8
+
+
+def test_a_pooled_step_s_rate_follows_the_turns_pooled_against_a_whole_step():
+    """sqrt(turns pooled / a whole step's turns), at least 1: two members stepping together on one
+    pooled gradient step at one rate even where one's step is short (its part of the slice ran
+    out mid-step), so they keep one adapter; alone, a short step keeps the recipe's rate."""
+    from types import SimpleNamespace
+
+    averager = Averager()
+    model = torch.nn.Linear(3, 2)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    me = SimpleNamespace(
+        model=model, recipe=recipe(batch=2, accum=4), clock=time.monotonic, sync_seconds=0.0,
+        pooled_turns=0, sync=SimpleNamespace(pool=lambda grads, turns: averager.pool(0, grads, turns)),
+    )  # fmt: skip
+    grads = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    averager.pool(1, grads, 8)  # the partner's whole step of 8 turns
+    assert Trainer.pool_gradients(me, 3) == pytest.approx(math.sqrt(11 / 8))
+    assert me.pooled_turns == 8
+    assert torch.allclose(model.weight.grad, torch.full((2, 3), 3 / 11))
+    assert Trainer.pool_gradients(me, 3) == 1.0  # nothing new from the partner: alone
 
 
 def pooling_night(raw_student, corpus, tmp_path, averager: Averager) -> tuple[list, list]:
