@@ -239,15 +239,7 @@ class Averager:
             state = self.state
             worth = sum(self.speeds.get(i, 1.0) for i in members)
             scale = self.outer_lr * worth / max(1.0, self.shares_worth())
-            for k, w in state.weights.items():
-                step = (weights[k].detach().float() - handed[k]) * scale
-                w += step
-                state.pending[k] += step
-            state.turns_in += total
-            staleness = state.version - version
-            state.version += 1
-            state.arrivals += len(members)
-            self._outer_step()
+            staleness = self._add(weights, handed, version, scale, total, len(members))
             mine = {k: v.detach().float().clone() for k, v in weights.items()}
             for i in members:
                 part = turns[self.ranks[i]]
@@ -328,31 +320,40 @@ class Averager:
         )
         return {k: state.weights[k].to(like[k].dtype) for k in like}
 
-    def _apply(self, share: int, weights: dict, turns: int, final: bool) -> Sync | None:
-        """The movement applied and listed; None for a share dropped as gone and heard from
-        again: it rejoins, handed the global, its movement not applied."""
+    def _apply(self, share: int, weights: dict, turns: int, final: bool) -> None:
+        """The movement applied and listed. A share dropped as gone and heard from again
+        rejoins, handed the global, its movement not applied."""
         if share not in self.given:
             self._hand(share, like=self.state.weights)
-            return None
+            return
         handed, version, turns_then = self.given[share]
-        state = self.state
-        fresh = self.freshness(turns, state.turns_in - turns_then)
+        fresh = self.freshness(turns, self.state.turns_in - turns_then)
         scale = self.outer_lr / max(1.0, self.shares_worth()) * fresh
+        staleness = self._add(weights, handed, version, scale, turns, 1)
+        self.syncs.append(
+            Sync(share, turns, staleness, round(scale, 4), self.minute(), final, round(fresh, 4))
+        )
+        member = self.members[share]
+        member.turns_synced += turns
+        member.syncs += 1
+
+    def _add(
+        self, weights: dict, handed: dict, version: int, scale: float, turns: int, arrivals: int
+    ) -> int:
+        """Under the lock: the movement `weights - handed` added to the global at `scale`, worth
+        `turns` turns and `arrivals` shares' arrivals; returns its staleness (the global's
+        versions since the mover was handed `version`)."""
+        state = self.state
         for k, w in state.weights.items():
             step = (weights[k].detach().float() - handed[k]) * scale
             w += step
             state.pending[k] += step
         state.turns_in += turns
         staleness = state.version - version
-        state.arrivals += 1
         state.version += 1
+        state.arrivals += arrivals
         self._outer_step()
-        sync = Sync(share, turns, staleness, round(scale, 4), self.minute(), final, round(fresh, 4))
-        self.syncs.append(sync)
-        member = self.members[share]
-        member.turns_synced += turns
-        member.syncs += 1
-        return sync
+        return staleness
 
     def _outer_step(self) -> None:
         """Nesterov, once per outer step (as many arrivals as live shares): m <- mu m + g; the
