@@ -159,9 +159,10 @@ class AveragerLink:
         hands in the weights they all hold, and nobody waits or takes anything back."""
         try:
             if self.together.stepping:
-                each, self.posted, posts = self.together.take_post()
-                if posts:
-                    ray.get(self.averager.post_group.remote(self.index, weights, each, self.posted))
+                self.posted = self.together.post(
+                    weights,
+                    lambda *post: ray.get(self.averager.post_group.remote(self.index, *post)),
+                )
                 return weights
             return ray.get(self.averager.exchange.remote(self.index, weights, turns, self.posted))
         except ray.exceptions.RayError as e:  # the driver's machine gone: train on alone

@@ -398,9 +398,9 @@ class LocalLink:
 
     def exchange(self, weights: dict, turns: int) -> dict:
         if self.together.stepping:
-            each, self.posted, posts = self.together.take_post()
-            if posts:
-                self.averager.post_group(self.index, weights, each, self.posted)
+            self.posted = self.together.post(
+                weights, lambda *post: self.averager.post_group(self.index, *post)
+            )
             return weights
         return self.averager.exchange(self.index, weights, turns, self.posted)
 

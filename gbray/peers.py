@@ -101,8 +101,7 @@ class StepGroup:
         each = torch.zeros(self.world, dtype=torch.float64)
         each[self.rank] = turns
         flat = torch.cat(
-            [grads[n].detach().reshape(-1).to(torch.float64) * turns for n in names]
-            + [each, torch.tensor([float(turns)], dtype=torch.float64), times]
+            [grads[n].detach().reshape(-1).to(torch.float64) * turns for n in names] + [each, times]
         )
         try:
             self.group.allreduce([flat]).wait()
@@ -111,9 +110,9 @@ class StepGroup:
             raise GroupOver(f"a partner is gone: {str(e).splitlines()[0][:200]}") from e
         self.returned = time.monotonic()
         self.steps += 1
-        total = int(round(flat[-self.world - 1].item()))
-        tail = flat[-2 * self.world - 1 : -self.world - 1].tolist()
-        self.unposted = [n + int(round(t)) for n, t in zip(self.unposted, tail, strict=True)]
+        each = [int(round(t)) for t in flat[-2 * self.world : -self.world].tolist()]
+        total = sum(each)
+        self.unposted = [n + t for n, t in zip(self.unposted, each, strict=True)]
         if self.steps > SETTLING_STEPS:
             for mine, took_then in zip(self.recent, flat[-self.world :].tolist(), strict=True):
                 mine[:] = [*mine[-(SLOW_WINDOW - 1) :], took_then]
@@ -213,6 +212,15 @@ class Together:
         this member is the one that hands the group's weights in (rank 0)."""
         turns, number = self.group.take_unposted()
         return turns, number, self.group.rank == 0
+
+    def post(self, weights: dict, send: Callable[[dict, list[int], int], None]) -> int:
+        """The group's sync, at the same step in every member: rank 0 `send`s the weights with
+        each member's turns and the post's number; returns that number (the post that counted
+        this member's turns)."""
+        each, number, posts = self.take_post()
+        if posts:
+            send(weights, each, number)
+        return number
 
     def close(self) -> None:
         if self.group is not None:
