@@ -9,8 +9,12 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ray
+
+if TYPE_CHECKING:
+    from gbray.peers import Posted
 
 STOP_POLL_SECONDS = 3.0
 
@@ -124,11 +128,13 @@ class AveragerLink:
     (`gbray.peers`), made as the share joins."""
 
     def __init__(self, averager, index: int):
+        from gbray.peers import NO_POST
+
         self.averager, self.index = averager, index
         self.every_turns = float("inf")
         self.pools = False
         self.together = None
-        self.posted = 0  # the group's last post that counted this share's turns
+        self.posted = NO_POST  # the group's last post this share took
 
     def join(self, weights: dict) -> dict:
         from gbray.peers import Together
@@ -147,7 +153,7 @@ class AveragerLink:
     def _left_group(self, why: str) -> None:
         self.pools = False
         with contextlib.suppress(ray.exceptions.RayError):
-            ray.get(self.averager.leave_group.remote(self.index, why))
+            ray.get(self.averager.leave_group.remote(self.index, why, self.posted.number))
 
     def due(self, turns_since: int) -> bool:
         if self.together.stepping:
@@ -218,13 +224,13 @@ class AveragerActor:
     def meeting_point(self) -> tuple[str, int] | None:
         return self.averager.meeting_point()
 
-    def leave_group(self, index: int, why: str) -> None:
-        self.averager.leave_group(index, why)
+    def leave_group(self, index: int, why: str, posted: int = 0) -> None:
+        self.averager.leave_group(index, why, posted)
 
     def join(self, index: int, weights: dict) -> dict:
         return self.averager.join(index, weights)
 
-    def exchange(self, index: int, weights: dict, turns: int, posted: int = 0) -> dict:
+    def exchange(self, index: int, weights: dict, turns: int, posted: Posted) -> dict:
         return self.averager.exchange(index, weights, turns, posted)
 
     def post_group(self, index: int, weights: dict, turns: list[int], number: int) -> None:
@@ -233,7 +239,7 @@ class AveragerActor:
     def pool(self, index: int, grads: dict, turns: int) -> tuple[dict, int]:
         return self.averager.pool(index, grads, turns)
 
-    def leave(self, index: int, weights: dict | None, turns: int, posted: int = 0) -> None:
+    def leave(self, index: int, weights: dict | None, turns: int, posted: Posted) -> None:
         self.averager.leave(index, weights, turns, posted)
 
     def drop(self, index: int) -> None:

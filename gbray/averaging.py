@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from gbray.peers import PEER_SPEED, Together
+from gbray.peers import NO_POST, PEER_SPEED, Posted, Together
 
 
 @dataclass
@@ -143,6 +143,11 @@ class Averager:
         self.meeting: tuple[str, int] | None = None
         self.group_posts = 0  # the group's posts of its weights so far
         self.posts_in = threading.Condition(self.lock)
+        # A member that left the group is still in its posts up to the last one it took; one
+        # whose post never arrived brought that post's turns in itself, and the post, should it
+        # arrive later, no longer counts them.
+        self.left_after: dict[int, int] = {}
+        self.brought: dict[int, int] = {}
 
     def set_speeds(self, speeds: dict[int, float]) -> None:
         """The shares' measured speeds. A movement is scaled by outer_lr over the live shares'
@@ -165,6 +170,7 @@ class Averager:
                 return None
             if share in self.placed:
                 self.group = [i for i in self.group if i != share]
+                self.left_after[share] = 0  # its old process's posts are not its own
                 return None
             self.placed.add(share)
             return self.ranks[share], len(self.ranks)
@@ -177,11 +183,13 @@ class Averager:
         with self.lock:
             return self.meeting
 
-    def leave_group(self, share: int, why: str) -> None:
-        """A member whose group ended: it syncs on alone."""
+    def leave_group(self, share: int, why: str, posted: int = 0) -> None:
+        """A member whose group ended: it syncs on alone. `posted`: the group's last post it
+        took, which still counts it should it arrive after this."""
         with self.lock:
             if share in self.group:
                 self.group = [i for i in self.group if i != share]
+                self.left_after[share] = posted
                 if share in self.members:
                     self.members[share].group_left_minute = self.minute()
                     self.members[share].group_left_why = why
@@ -214,11 +222,11 @@ class Averager:
             self.members[share].grouped |= share in self.group
             return self._hand(share, like=weights)
 
-    def exchange(self, share: int, weights: dict, turns: int, posted: int = 0) -> dict:
+    def exchange(self, share: int, weights: dict, turns: int, posted: Posted = NO_POST) -> dict:
         """This share's weights in, its movement applied; the new global out. `posted`: the
-        group's last post that counted this share's turns (a share whose group has ended)."""
+        group's last post this share took (a share whose group has ended)."""
         with self.lock:
-            self._wait_for_post(posted)
+            turns += self._turns_of_a_lost_post(share, posted)
             self._apply(share, weights, turns, final=False)
             return self._hand(share, like=weights)
 
@@ -233,7 +241,7 @@ class Averager:
             if share not in self.given:  # dropped as gone and heard from again
                 self._hand(share, like=self.state.weights)
                 return
-            members = [i for i in self.group if i in self.given and i in self.ranks]
+            members = [i for i in self.ranks if i in self.given and self._in_post(i, number)]
             total = sum(turns[self.ranks[i]] for i in members)
             handed, version, _ = self.given[share]
             state = self.state
@@ -255,10 +263,25 @@ class Averager:
             self.group_posts = max(self.group_posts, number)
             self.posts_in.notify_all()
 
-    def _wait_for_post(self, posted: int) -> None:
-        """Under the lock: until the group's post `posted` is in (at most POST_WAIT_SECONDS)."""
-        if posted > self.group_posts:
-            self.posts_in.wait_for(lambda: self.group_posts >= posted, timeout=POST_WAIT_SECONDS)
+    def _in_post(self, share: int, number: int) -> bool:
+        """Whether the group's post `number` counts this member's turns."""
+        if self.brought.get(share, 0) >= number:
+            return False
+        return share in self.group or number <= self.left_after.get(share, 0)
+
+    def _turns_of_a_lost_post(self, share: int, posted: Posted) -> int:
+        """Under the lock: wait until the group's post this share took is in (at most
+        POST_WAIT_SECONDS: its poster may be a step behind). If it never came, the share's turns
+        in it are brought in with its own movement, which holds them (the weights it was handed
+        are still those of the post before); the post no longer counts them."""
+        if posted.number > self.group_posts:
+            self.posts_in.wait_for(
+                lambda: self.group_posts >= posted.number, timeout=POST_WAIT_SECONDS
+            )
+        if posted.number <= self.group_posts:
+            return 0
+        self.brought[share] = posted.number
+        return posted.turns
 
     def pool(self, share: int, grads: dict, turns: int) -> tuple[dict, int]:
         """This share's step's gradients in; out, their mean with each other live share's
@@ -279,12 +302,12 @@ class Averager:
             return {k: (v / pooled).to(grads[k].dtype) for k, v in total.items()}, pooled
 
     def leave(
-        self, share: int, weights: dict | None = None, turns: int = 0, posted: int = 0
+        self, share: int, weights: dict | None = None, turns: int = 0, posted: Posted = NO_POST
     ) -> None:
         """A share is done: its last movement (if it trained since its last sync) is applied.
         `posted`: as in `exchange`."""
         with self.lock:
-            self._wait_for_post(posted)
+            turns += self._turns_of_a_lost_post(share, posted)
             if share not in self.given:
                 return
             if weights is not None and turns > 0:
@@ -378,7 +401,7 @@ class LocalLink:
         self.averager, self.index, self.every_turns = averager, index, every_turns
         self.pools = pools
         self.together = None
-        self.posted = 0  # the group's last post that counted this share's turns
+        self.posted = NO_POST  # the group's last post this share took
 
     def join(self, weights: dict) -> dict:
         self.together = Together(
@@ -386,7 +409,7 @@ class LocalLink:
             "127.0.0.1",
             self.averager.post_meeting,
             self.averager.meeting_point,
-            on_left=lambda why: self.averager.leave_group(self.index, why),
+            on_left=lambda why: self.averager.leave_group(self.index, why, self.posted.number),
         )
         self.pools = (self.pools and not self.averager.together) or self.together.stepping
         return self.averager.join(self.index, weights)

@@ -23,6 +23,7 @@ import logging
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,19 @@ STEP_TIMEOUT_SECONDS = 60.0
 # that says nothing of its pace. The first SETTLING_STEPS carry start-up costs and do not count.
 SLOW_WINDOW = 9
 SETTLING_STEPS = 5
+
+
+@dataclass(frozen=True)
+class Posted:
+    """The group's last post a member took: its number and the member's turns in it. The member
+    hands it to the averager when it syncs alone or leaves, so turns of a post that never arrived
+    (its poster's machine gone between the step and the post) are still counted, once."""
+
+    number: int = 0
+    turns: int = 0
+
+
+NO_POST = Posted()  # a share that took no post of a group
 
 
 class GroupOver(RuntimeError):
@@ -213,14 +227,14 @@ class Together:
         turns, number = self.group.take_unposted()
         return turns, number, self.group.rank == 0
 
-    def post(self, weights: dict, send: Callable[[dict, list[int], int], None]) -> int:
+    def post(self, weights: dict, send: Callable[[dict, list[int], int], None]) -> Posted:
         """The group's sync, at the same step in every member: rank 0 `send`s the weights with
-        each member's turns and the post's number; returns that number (the post that counted
-        this member's turns)."""
+        each member's turns and the post's number; returns the post this member took."""
+        rank = self.group.rank
         each, number, posts = self.take_post()
         if posts:
             send(weights, each, number)
-        return number
+        return Posted(number, each[rank])
 
     def close(self) -> None:
         if self.group is not None:

@@ -9,7 +9,7 @@ import torch
 from test_averaging import in_thread, weights
 
 from gbray.averaging import PEER_SPEED, Averager
-from gbray.peers import SETTLING_STEPS, SLOW_WINDOW, StepGroup, Together
+from gbray.peers import SETTLING_STEPS, SLOW_WINDOW, Posted, StepGroup, Together
 
 
 def a_group(averager: Averager, shares=(0, 1)) -> dict[int, StepGroup]:
@@ -90,7 +90,7 @@ def test_a_group_syncs_as_one_post_of_the_weights_its_members_hold():
     assert each == each1 == [16, 12] and number == number1 == 1 and poster and not poster1
     # A partner done before the post arrived waits for it (its turns are counted there), not
     # for anything else: its own leave then adds only what it moved after the post.
-    leaving, _ = in_thread(averager.leave, 1, weights(3.0), 8, number)
+    leaving, _ = in_thread(averager.leave, 1, weights(3.0), 8, Posted(number, each[1]))
     time.sleep(0.2)
     assert leaving.is_alive()
     began = time.monotonic()
@@ -115,6 +115,51 @@ def test_a_group_syncs_as_one_post_of_the_weights_its_members_hold():
     assert torch.allclose(averager.result()[0]["a"], torch.full((2, 3), 3.0))
     averager.post_group(0, weights(4.0), [8, 0], 2)  # the group moved +2.0 since its post
     assert torch.allclose(averager.result()[0]["a"], torch.full((2, 3), 4.0))
+
+
+def test_a_post_that_arrives_late_or_never_counts_each_member_s_turns_once(monkeypatch):
+    """Both members take the group's post 2 (8 turns each); its poster (share 0) hands it in
+    late, or its machine goes away first. Share 1, whose group ended, syncs alone with the post
+    it took: its turns in that post are counted once, by the post if it arrived, else by its own
+    sync (its weights hold them), and the group's movement is in the global once."""
+    import gbray.averaging
+
+    monkeypatch.setattr(gbray.averaging, "POST_WAIT_SECONDS", 0.3)
+
+    def after_post_1() -> Averager:
+        averager, group = a_night_of_two()
+        for member in group.values():
+            member.close()
+        averager.post_group(0, weights(1.0), [8, 8], 1)  # the global is the group's 1.0
+        averager.leave_group(1, "its partner went quiet", 2)
+        return averager
+
+    def turns_synced(averager: Averager) -> dict[int, int]:
+        return {m["share"]: m["turns_synced"] for m in averager.result()[2]}
+
+    # The post arrives after share 1 left the group, before its own sync: it counts both.
+    averager = after_post_1()
+    averager.post_group(0, weights(2.0), [8, 8], 2)
+    averager.exchange(1, weights(3.0), 4, Posted(2, 8))  # +1 since the post, at 1/2
+    assert turns_synced(averager) == {0: 16, 1: 8 + 8 + 4}
+    assert torch.allclose(averager.result()[0]["a"], torch.full((2, 3), 2.5))
+    # The poster's machine goes away: share 1's sync waits for the post, then brings its 8 turns
+    # of it in with its own 4, and its movement from post 1's weights (+2, whole: alone now).
+    averager = after_post_1()
+    averager.drop(0)
+    began = time.monotonic()
+    averager.exchange(1, weights(3.0), 4, Posted(2, 8))
+    assert time.monotonic() - began >= 0.3
+    assert turns_synced(averager) == {0: 8, 1: 8 + 8 + 4}
+    assert averager.result()[1][-1]["turns"] == 12
+    assert torch.allclose(averager.result()[0]["a"], torch.full((2, 3), 3.0))
+    # The poster was only slow: its post, arriving after share 1 brought its turns in, adds the
+    # group's movement (+1 from post 1, at the poster's half) and its own turns, not share 1's.
+    averager = after_post_1()
+    averager.exchange(1, weights(3.0), 4, Posted(2, 8))  # +2 at 1/2: the global is 2.0
+    averager.post_group(0, weights(2.0), [8, 8], 2)
+    assert turns_synced(averager) == {0: 16, 1: 8 + 8 + 4}
+    assert torch.allclose(averager.result()[0]["a"], torch.full((2, 3), 2.5))
 
 
 def test_a_partner_that_leaves_ends_the_group_at_once():
