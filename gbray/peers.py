@@ -102,6 +102,7 @@ class StepGroup:
         self.returned = time.monotonic()
         self.steps = 0
         self.over = False
+        self.why_over = "the group is over"
 
     def pool(self, grads: dict[str, torch.Tensor], turns: int) -> tuple[dict, int]:
         """The turn-weighted mean of every member's gradients of this step, and the turns behind
@@ -136,8 +137,10 @@ class StepGroup:
             chunk = flat[at : at + size] / max(total, 1)
             pooled[n] = chunk.reshape(grads[n].shape).to(grads[n].dtype)
             at += size
-        if self.slow_member() is not None:
+        slow = self.slow_member()
+        if slow is not None:
             # Every member read the same times, so every member ends the group at this step.
+            self.why_over = self.pace_of(slow)
             self.close()
         return pooled, total
 
@@ -158,6 +161,15 @@ class StepGroup:
         if paces[slowest] > 0 and min(paces) / paces[slowest] < self.peer_speed:
             return slowest
         return None
+
+    def pace_of(self, slow: int) -> str:
+        """Why the group ended on a slow member, with the paces it was judged by (round.json's
+        `group_left_why`), so a group ended on noise can be told from one ended on a slow machine."""
+        paces = [statistics.median(times) for times in self.recent]
+        return (
+            f"a member's steps proved slow: rank {slow} at {paces[slow]:.3f} s a step against "
+            f"{min(paces):.3f} s (medians of the last {SLOW_WINDOW} steps, at step {self.steps})"
+        )
 
     def close(self) -> None:
         """Leave the group: a partner in an all-reduce with this member fails at once. Gloo
@@ -213,7 +225,7 @@ class Together:
             self._end(str(e))
             return grads, turns
         if self.group.over:  # every member read one member's steps as slow
-            self._end("a member's steps proved slow")
+            self._end(self.group.why_over)
         return pooled
 
     def post_due(self, every_turns: float) -> bool:

@@ -212,6 +212,8 @@ def test_a_member_whose_steps_prove_slow_ends_the_group_for_every_member():
     assert group[0].steps == group[1].steps == SETTLING_STEPS + SLOW_WINDOW
     assert group[0].slow_member() == group[1].slow_member() == 1
     assert group[0].over and group[1].over
+    # Both say why with the same paces (round.json's group_left_why): the slow one's about 0.1 s.
+    assert group[0].why_over == group[1].why_over and "rank 1 at 0.1" in group[0].why_over
 
 
 @pytest.fixture(scope="module")
