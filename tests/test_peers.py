@@ -9,7 +9,7 @@ import torch
 from test_averaging import in_thread, weights
 
 from gbray.averaging import PEER_SPEED, Averager
-from gbray.peers import SETTLING_STEPS, SLOW_WINDOW, Posted, StepGroup, Together
+from gbray.peers import SETTLING_STEPS, SLOW_STEPS, SLOW_WINDOW, Posted, StepGroup, Together
 
 
 def a_group(averager: Averager, shares=(0, 1)) -> dict[int, StepGroup]:
@@ -196,24 +196,33 @@ def stepping(group: dict[int, StepGroup], pauses: dict[int, list[float]]) -> Non
 
 
 def test_a_member_whose_steps_prove_slow_ends_the_group_for_every_member():
-    averager = Averager(together=True)
-    averager.set_speeds({0: 1.0, 1: 1.0})
-    # One long step (a validation, a save) is not a slow pace.
-    steps = SETTLING_STEPS + 2 * SLOW_WINDOW
-    group = a_group(averager)
-    pause = [0.01] * steps
-    stepping(group, {0: pause, 1: pause[:10] + [0.3] + pause[11:]})
+    def fresh_group() -> dict[int, StepGroup]:
+        averager = Averager(together=True)
+        averager.set_speeds({0: 1.0, 1: 1.0})
+        return a_group(averager)
+
+    fast, slow = 0.01, 0.1
+    # One long step (a validation, a save) is not a slow pace, and neither is a slow spell
+    # shorter than SLOW_STEPS (a host busy with other work for a few seconds).
+    spell = SLOW_STEPS - SLOW_WINDOW // 2 - 2
+    steps = SETTLING_STEPS + 2 * SLOW_WINDOW + spell + SLOW_WINDOW
+    start = SETTLING_STEPS + 2 * SLOW_WINDOW
+    bumpy = [fast] * steps
+    bumpy[10] = 0.3
+    bumpy[start : start + spell] = [slow] * spell
+    group = fresh_group()
+    stepping(group, {0: [fast] * steps, 1: bumpy})
     assert not group[0].over and not group[1].over and group[0].steps == steps
-    # A slow pace is: both read the same times and end at the same step, once a window is timed.
-    averager = Averager(together=True)
-    averager.set_speeds({0: 1.0, 1: 1.0})
-    group = a_group(averager)
-    stepping(group, {0: [0.01] * steps, 1: [0.1] * steps})
-    assert group[0].steps == group[1].steps == SETTLING_STEPS + SLOW_WINDOW
+    # A slow pace is: both read the same times and end at the same step, once a window is timed
+    # and the pace held for SLOW_STEPS steps.
+    group = fresh_group()
+    stepping(group, {0: [fast] * steps, 1: [slow] * steps})
+    assert group[0].steps == group[1].steps == SETTLING_STEPS + SLOW_WINDOW + SLOW_STEPS - 1
     assert group[0].slow_member() == group[1].slow_member() == 1
     assert group[0].over and group[1].over
     # Both say why with the same paces (round.json's group_left_why): the slow one's about 0.1 s.
     assert group[0].why_over == group[1].why_over and "rank 1 at 0.1" in group[0].why_over
+    assert f"slow at the last {SLOW_STEPS} steps" in group[0].why_over
 
 
 @pytest.fixture(scope="module")
