@@ -45,7 +45,7 @@ SETTLING_STEPS = 5
 # The group ends on a slow member only once it has read as slow at SLOW_STEPS steps in a row:
 # ending is for good, and on hosts shared with other work a member's median moves by a fifth for
 # a few steps (one night of alike members on the benchmark's simulated cluster dipped to 0.77 of
-# its partner's for one step of 717); a machine truly slower is caught a few seconds later.
+# its partner's for one step of 717); a machine truly slower is caught SLOW_STEPS steps later.
 SLOW_STEPS = 3 * SLOW_WINDOW
 
 
