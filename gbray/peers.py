@@ -163,16 +163,20 @@ class StepGroup:
         window of steps is timed."""
         if len(self.recent[0]) < SLOW_WINDOW:
             return None
-        paces = [statistics.median(times) for times in self.recent]
+        paces = self.paces()
         slowest = max(range(self.world), key=lambda i: paces[i])
         if paces[slowest] > 0 and min(paces) / paces[slowest] < self.peer_speed:
             return slowest
         return None
 
+    def paces(self) -> list[float]:
+        """Each member's median step time over its last SLOW_WINDOW steps."""
+        return [statistics.median(times) for times in self.recent]
+
     def pace_of(self, slow: int) -> str:
         """Why the group ended on a slow member, with the paces it was judged by (round.json's
         `group_left_why`), so a group ended on noise can be told from one ended on a slow machine."""
-        paces = [statistics.median(times) for times in self.recent]
+        paces = self.paces()
         return (
             f"a member's steps proved slow: rank {slow} at {paces[slow]:.3f} s a step against "
             f"{min(paces):.3f} s (medians of the last {SLOW_WINDOW} steps, slow at the last "
